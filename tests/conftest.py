@@ -1,0 +1,79 @@
+"""Tiny models and tokenizers built from configs: no downloads, fp32, seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_decoding.heads import MedusaHeads
+
+# Tiny models are overhead-bound: one thread avoids spin-waiting when two test processes share
+# this 2-core machine, and does not slow the real model down measurably (see PLATFORM.md).
+torch.set_num_threads(1)
+
+VOCAB = 300  # 256 bytes + specials + a few unused ids
+EOS, BOS = 256, 257
+
+
+def tiny_llama(attn: str = "sdpa", max_positions: int = 256, seed: int = 0, vocab: int = VOCAB):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=EOS, bos_token_id=BOS,
+        pad_token_id=EOS, tie_word_embeddings=False, attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).float().eval().requires_grad_(False)
+    with torch.no_grad():  # sharper logits than the default init, so outputs vary with the prompt
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: ids 0-255 are bytes, 256 <eos>, 257 <bos>; with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)} | {"<eos>": EOS, "<bos>": BOS}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<eos>")
+    fast.chat_template = (
+        "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
+    )
+    return fast
+
+
+def _byte_of(char: str) -> int:
+    # GPT-2's byte-to-unicode map: printable bytes map to themselves, the rest to 256+
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    code = ord(char)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def random_heads(model, num_heads: int = 4, seed: int = 0, scale: float = 0.5) -> MedusaHeads:
+    """Heads with random (not zero) weights: their guesses are noise, mostly wrong."""
+    heads = MedusaHeads.for_base(model, num_heads=num_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    return heads.eval()
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_tokenizer()

@@ -1,0 +1,73 @@
+"""`medusa generate`: streamed output, one stats line, and exit status 2 with one line per bad input."""
+
+import sys
+
+import pytest
+
+from medusa_decoding import cli
+from medusa_decoding.heads import MedusaHeads
+
+from conftest import byte_tokenizer, random_heads, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(max_positions=64)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    heads = tmp_path_factory.mktemp("heads")
+    random_heads(model).save_pretrained(heads)
+    bad_heads = tmp_path_factory.mktemp("bad_heads")
+    MedusaHeads.for_base(tiny_llama(vocab=320)).save_pretrained(bad_heads)
+    return folder, heads, bad_heads
+
+
+def medusa(capsys, monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["medusa", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
+    folder, heads, _ = model_dir
+    code, out, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--heads", heads,
+                            "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
+    assert code == 0 and out.strip()
+    assert err.splitlines()[-1].startswith("[medusa (16-node tree)] 12 tokens")
+    code, out2, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--no-medusa",
+                             "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
+    assert code == 0 and out2 == out and err.splitlines()[-1].startswith("[plain]")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "/no/such/folder"], "unknown model"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "x" * 80], "context is 64"),
+    (["-n", "0"], "max_new_tokens must be >= 1"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--acceptance", "sometimes"], "acceptance"),
+    (["--heads", "BAD"], "heads do not fit the base model: heads have hidden_size=64, vocab_size=320"),
+    (["--heads", "/no/such/heads"], "no Medusa heads at"),
+    (["--tree", "/no/such/tree.json"], "tree file"),
+    (["--bogus"], "No such option: --bogus"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, model_dir, args, message):
+    folder, heads, bad_heads = model_dir
+    base = {"--prompt": "hello", "--model": str(folder), "--heads": str(heads)}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = str(bad_heads) if value == "BAD" else value
+    argv = ["generate", "--no-chat", "--device", "cpu"] + [x for kv in base.items() for x in kv]
+    if len(args) % 2:
+        argv += args[-1:]
+    code, out, err = medusa(capsys, monkeypatch, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err

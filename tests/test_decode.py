@@ -1,0 +1,159 @@
+"""Speculative greedy decoding == plain greedy decoding, token for token (fp32)."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_decoding.cache import keep_path, new_cache
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, SamplingConfig
+from medusa_decoding.decode import GenerationStats, decode, forward, tree_bias
+from medusa_decoding.tree import build_tree
+
+from conftest import EOS, random_heads, tiny_llama
+
+TREES = {
+    "default": DEFAULT_TREE,
+    "chain": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "wide": [(0,), (1,), (2,), (3,), (0, 0), (1, 0)],
+}
+
+
+def run(model, prompt, heads, tree=DEFAULT_TREE, max_new_tokens=40, eos=(EOS,), ignore_eos=False):
+    stats = GenerationStats()
+    out = []
+    for chunk in decode(model, torch.tensor([prompt]), heads, build_tree(tree),
+                        GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos),
+                        SamplingConfig(), set(eos), stats):
+        out += chunk
+    return out, stats
+
+
+class OracleHeads(nn.Module):
+    """Test heads that often guess right: they find the position of the hidden state in a known
+    plain-greedy run and put the true future token first with probability `hit`, so
+    verification accepts paths of every length and rejects at every depth."""
+
+    def __init__(self, model, prompt, continuation, num_heads=4, hit=0.7, seed=0):
+        super().__init__()
+        seq = torch.tensor([prompt + continuation])
+        with torch.no_grad():
+            self.hidden = model.get_decoder()(input_ids=seq).last_hidden_state[0]  # [T, D]
+        self.seq, self.num_heads, self.hit, self.vocab = seq[0], num_heads, hit, model.config.vocab_size
+        self.g = torch.Generator().manual_seed(seed)
+
+    def forward(self, hidden, lm_head=None):  # hidden [D] -> logits [K, V]
+        t = int((self.hidden - hidden).norm(dim=-1).argmin())
+        logits = torch.randn(self.num_heads, self.vocab, generator=self.g)
+        for k in range(self.num_heads):
+            if t + k + 2 < len(self.seq) and torch.rand(1, generator=self.g) < self.hit:
+                logits[k, self.seq[t + k + 2]] = 100.0
+        return logits
+
+
+def prompts(n, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_random_heads_give_plain_output(model, tree):
+    heads = random_heads(model)
+    for prompt in prompts(8):
+        plain, _ = run(model, prompt, None)
+        spec, stats = run(model, prompt, heads, TREES[tree])
+        assert spec == plain
+        assert stats.steps <= len(plain)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_good_heads_give_plain_output_and_accept_more(model, tree):
+    accepted = []
+    for i, prompt in enumerate(prompts(6, seed=1)):
+        plain, _ = run(model, prompt, None, max_new_tokens=60, ignore_eos=True)
+        oracle = OracleHeads(model, prompt, plain, seed=i)
+        spec, stats = run(model, prompt, oracle, TREES[tree], max_new_tokens=60, ignore_eos=True)
+        assert spec == plain
+        assert sum(stats.accepted_lengths) + 1 >= len(spec)  # the last step may be cut by max_new_tokens
+        accepted.append(stats.mean_accepted_length)
+    assert sum(accepted) / len(accepted) > 1.5  # the oracle is right often: paths are accepted
+
+
+def test_eos_and_max_new_tokens_edges(model):
+    prompt = prompts(1, seed=3)[0]
+    plain, _ = run(model, prompt, None, max_new_tokens=30, ignore_eos=True)
+    oracle = OracleHeads(model, prompt, plain, hit=0.9)
+    # pick a token from the middle of the plain output as EOS: both stop right after it
+    eos = plain[7]
+    cut = plain[: plain.index(eos) + 1]
+    spec, _ = run(model, prompt, oracle, eos=(eos,))
+    assert spec == cut == run(model, prompt, None, eos=(eos,))[0]
+    for n in (1, 2, 3, 5, 17):
+        want = run(model, prompt, None, max_new_tokens=n, ignore_eos=True)[0]
+        got = run(model, prompt, OracleHeads(model, prompt, plain, hit=0.9), max_new_tokens=n, ignore_eos=True)[0]
+        assert got == want and len(got) == n
+
+
+def test_context_limit_is_respected():
+    small = tiny_llama(max_positions=40)
+    heads = random_heads(small)
+    prompt = prompts(1, seed=4)[0][:20]
+    plain, _ = run(small, prompt, None, max_new_tokens=100, ignore_eos=True)
+    assert len(prompt) + len(plain) == 40
+    oracle = OracleHeads(small, prompt, plain, hit=1.0)
+    spec, _ = run(small, prompt, oracle, max_new_tokens=100, ignore_eos=True)
+    assert spec == plain
+    assert run(small, prompt, heads, max_new_tokens=100, ignore_eos=True)[0] == plain
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_works_with_both_attention_kernels(attn):
+    """A tree verify forward gives, at each node, the logits of a plain forward of its path."""
+    model = tiny_llama(attn=attn)
+    tree = build_tree(DEFAULT_TREE)
+    prompt = torch.tensor([prompts(1, seed=5)[0]])
+    tokens = torch.randint(0, 256, (tree.num_nodes,), generator=torch.Generator().manual_seed(0))
+    cache = new_cache(model)
+    p = prompt.shape[1]
+    with torch.no_grad():
+        forward(model, prompt, torch.arange(p)[None], None, cache)
+        mask = torch.cat([torch.zeros(tree.num_nodes, p), tree_bias(tree, torch.float32, "cpu")], 1)[None, None]
+        logits, _ = forward(model, tokens[None], (p + tree.depth)[None], mask, cache)
+        for row in tree.retrieve:
+            path = row[row >= 0]
+            ref = model(torch.cat([prompt[0], tokens[path]])[None]).logits[0, p:]
+            torch.testing.assert_close(logits[path], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_kept_cache_equals_plain_cache(model):
+    """After keep_path, every layer's keys and values equal those of a plain forward over the
+    prompt and the kept path's tokens."""
+    tree = build_tree(DEFAULT_TREE)
+    prompt = torch.tensor([prompts(1, seed=6)[0]])
+    p = prompt.shape[1]
+    tokens = torch.randint(0, 256, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    for row in tree.retrieve:
+        for end in range(1, int((row >= 0).sum()) + 1):
+            nodes = row[:end]
+            cache = new_cache(model)
+            with torch.no_grad():
+                forward(model, prompt, torch.arange(p)[None], None, cache)
+                mask = torch.cat([torch.zeros(tree.num_nodes, p), tree_bias(tree, torch.float32, "cpu")], 1)
+                forward(model, tokens[None], (p + tree.depth)[None], mask[None, None], cache)
+                keep_path(cache, p, nodes)
+                ref = new_cache(model)
+                forward(model, torch.cat([prompt[0], tokens[nodes]])[None], torch.arange(p + end)[None], None, ref)
+            for got, want in zip(cache.layers, ref.layers):
+                torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+def test_stats_count_steps_and_depths(model):
+    prompt = prompts(1, seed=7)[0]
+    plain, pstats = run(model, prompt, None, max_new_tokens=25, ignore_eos=True)
+    assert pstats.steps == 24 and pstats.mean_accepted_length == 1.0
+    _, stats = run(model, prompt, OracleHeads(model, prompt, plain, hit=1.0), TREES["chain"],
+                   max_new_tokens=25, ignore_eos=True)
+    assert stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)  # 4 candidates + bonus
+    assert stats.acceptance_per_depth[0] == 1.0
+    assert stats.new_tokens == 25
