@@ -83,12 +83,131 @@ def generate(
     typer.echo(f"[{method}] {stream.stats.summary()}", err=True)
 
 
+@app.command("distill-data")
+def distill_data(
+    out: Path = typer.Option(..., "--out", help="JSONL file to append to (resumable: done ids are skipped)."),
+    model: str = ModelOpt,
+    data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file of ShareGPT-shaped records."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Stop when the file holds this many conversations."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy answers, what greedy decoding will see."),
+    batch_size: int = typer.Option(48, "--batch-size"),
+    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Longer prompts are skipped (counted)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Self-distillation data: the base model's own answers to ShareGPT's user turns."""
+    from .data import distill
+
+    counts = distill(model, out, source=data, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
+                     batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, dtype=dtype, device=device)
+    typer.echo("; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), err=True)
+
+
+@app.command()
+def export(
+    heads: Path = typer.Argument(..., help="Heads folder (ours, or FasterDecoding Medusa)."),
+    out: Path = typer.Argument(..., help="Folder to write."),
+    format: str = typer.Option("vllm", "--format", help="vllm: vLLM's Medusa speculator format."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Base model, for heads that share its LM head."),
+) -> None:
+    """Write heads in another project's format (vLLM's Medusa speculator)."""
+    from .heads import MedusaHeads
+    from .interop import export_vllm
+    from .models import load_base
+
+    if format != "vllm":
+        fail(f"unknown format {format!r}; use vllm")
+    loaded = MedusaHeads.from_pretrained(heads)
+    lm_weight = None
+    if loaded.config.shared_lm_head:
+        base, _, _ = load_base(model, dtype="float32", device="cpu")
+        loaded.check_fits(base)
+        lm_weight = base.get_output_embeddings().weight
+    export_vllm(loaded, out, lm_weight)
+    typer.echo(f"wrote {out}/config.json and model.safetensors ({loaded.config.medusa_num_heads} heads)", err=True)
+
+
+@app.command()
+def train(
+    out: Path = typer.Option(..., "--out", help="Folder for the heads, checkpoints, features, log.jsonl and metrics.json."),
+    model: str = ModelOpt,
+    data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file (e.g. from distill-data)."),
+    heads: int = typer.Option(4, "--heads", help="Number of heads K."),
+    layers: int = typer.Option(1, "--layers", help="Residual blocks per head."),
+    inner_size: int = typer.Option(0, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
+    own_lm_head: bool = typer.Option(False, "--own-lm-head", help="Train an LM head per head (large) instead of sharing the base's."),
+    targets: str = typer.Option("kd", "--targets", help="tokens: the data's tokens; kd: the base model's distribution."),
+    feature_weight: float = typer.Option(0.0, "--feature-weight", help="Weight of the EAGLE-style feature regression term."),
+    vocab_fraction: float = typer.Option(1.0, "--vocab-fraction", help="Share of positions that pay the vocabulary-wide loss."),
+    decay: float = typer.Option(0.8, "--decay", help="Head k's loss weight is decay**(k-1)."),
+    epochs: float = typer.Option(1.0, "--epochs"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    warmup_steps: int = typer.Option(50, "--warmup-steps"),
+    batch_size: int = typer.Option(256, "--batch-size", help="Positions per step and process."),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    max_length: int = typer.Option(1024, "--max-length"),
+    max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
+    eval_conversations: int = typer.Option(200, "--eval-conversations"),
+    save_every: int = typer.Option(200, "--save-every"),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    mixed_precision: str = typer.Option("auto", "--mixed-precision", help="no, bf16, fp16 or auto."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
+) -> None:
+    """Train Medusa heads on a frozen base model (Medusa-1), on HF Accelerate."""
+    from .config import TrainConfig
+    from .train import metrics_table, train as run_training
+
+    cfg = TrainConfig(
+        model=model, data=data, out=str(out), num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
+        targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, decay=decay, epochs=epochs, lr=lr,
+        warmup_steps=warmup_steps, batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
+        max_conversations=max_conversations, eval_conversations=eval_conversations, save_every=save_every,
+        seed=seed, dtype=dtype, device=device, mixed_precision=mixed_precision,
+    )
+    metrics = run_training(cfg, resume=resume)
+    if "interrupted_at" in metrics:
+        raise typer.Exit(130)
+    typer.echo(metrics_table(metrics))
+
+
+@app.command()
+def bench(
+    model: str = ModelOpt,
+    heads: Optional[Path] = HeadsOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, hf, hf-pld (default: all; medusa only with heads)."),
+    tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="First N prompts of each category."),
+    turns: Optional[int] = typer.Option(None, "--turns", help="Turns per prompt (default: all; 1: first turns only)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Per turn."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy; > 0 samples (seeded) and skips identity checks."),
+    seed: int = typer.Option(0, "--seed"),
+    repeats: int = typer.Option(1, "--repeats", help="Rounds of every method per prompt."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: bench_out/<timestamp>)."),
+) -> None:
+    """Methods side by side on the same prompts: results.json, report.md and plots in --out."""
+    from .bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,
+        methods=methods, trees=[str(t) for t in tree], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
+        temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
+    )
+    run_bench(cfg)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    for noisy in ("transformers", "httpx", "urllib3"):
+    for noisy in ("transformers", "httpx", "urllib3", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from typer._click import exceptions as click  # typer vendors its own click
 

@@ -36,7 +36,9 @@ class HeadsConfig:
     """Shape of a set of Medusa heads; saved as the heads' config.json."""
 
     medusa_num_heads: int = 4  # K: head k guesses the token k+1 steps ahead
-    medusa_num_layers: int = 1  # residual blocks x + SiLU(W x + b) per head
+    medusa_num_layers: int = 1  # residual blocks per head
+    # 0: Medusa's block x + SiLU(W x + b); > 0: x + W2 SiLU(W1 x + b1) + b2 with this inner width
+    medusa_inner_size: int = 0
     hidden_size: int = 576  # D, must equal the base model's hidden size
     vocab_size: int = 49152  # V, must equal the base model's vocabulary
     base_model_name_or_path: str = DEFAULT_MODEL
@@ -101,3 +103,47 @@ class GenerationConfig:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise MedusaError("stop strings must be non-empty")
+
+
+@dataclass
+class TrainConfig:
+    """Medusa-1 head training on a frozen base (see train.py)."""
+
+    model: str = DEFAULT_MODEL  # base model: alias, HF folder or .gguf
+    data: str = "sharegpt"  # "sharegpt" or a JSON/JSONL file of ShareGPT-shaped records
+    out: str = "runs/heads"  # heads, checkpoints, logs and metrics go here
+    num_heads: int = 4  # K
+    num_layers: int = 1  # blocks per head
+    inner_size: int = 0  # 0: Medusa's ResBlock; > 0: an MLP block of this inner width
+    own_lm_head: bool = False  # train a full LM head per head instead of sharing the base's
+    targets: str = "kd"  # "tokens": the data's next tokens; "kd": the base model's distribution
+    feature_weight: float = 0.0  # EAGLE-style smooth-L1 of head k's feature onto the base's at t+k
+    vocab_fraction: float = 1.0  # share of a batch's positions that pay the [V]-wide projection
+    decay: float = 0.8  # head k's loss is weighted decay**(k-1)
+    epochs: float = 1.0  # passes over the training positions (fractions allowed)
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    batch_size: int = 256  # positions per step and process
+    grad_accum: int = 1
+    max_length: int = 1024  # tokens per conversation, longer ones are truncated (counted)
+    max_conversations: int | None = None  # cap on training conversations (None: all)
+    eval_conversations: int = 200  # held-out conversations evaluated at the end
+    dtype: str = "auto"  # dtype of the base forward and the cached features
+    device: str = "auto"
+    mixed_precision: str = "auto"  # "no", "bf16", "fp16"; auto: bf16 on CPU and bf16-capable GPUs
+    seed: int = 0
+    save_every: int = 200  # steps between checkpoints (and on SIGINT/SIGTERM)
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.targets not in ("tokens", "kd"):
+            raise MedusaError(f"unknown targets {self.targets!r}; use tokens or kd")
+        for name in ("num_heads", "num_layers", "batch_size", "grad_accum", "max_length", "save_every"):
+            if getattr(self, name) < 1:
+                raise MedusaError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.vocab_fraction <= 1:
+            raise MedusaError(f"vocab_fraction must be in (0, 1], got {self.vocab_fraction}")
+        if self.epochs <= 0 or self.lr <= 0:
+            raise MedusaError("epochs and lr must be > 0")

@@ -33,6 +33,21 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+class MLPBlock(nn.Module):
+    """x + W2 SiLU(W1 x + b1) + b2, W2 and b2 zero-initialised: a fresh block is the identity.
+    Unlike ResBlock it can move a coordinate down as far as up (SiLU's floor is -0.28)."""
+
+    def __init__(self, hidden_size: int, inner_size: int):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, inner_size)
+        self.down = nn.Linear(inner_size, hidden_size)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.silu(self.up(x)))
+
+
 class MedusaHeads(nn.Module):
     """K heads, each `medusa_num_layers` ResBlocks (own weights) then an LM head.
 
@@ -45,9 +60,13 @@ class MedusaHeads(nn.Module):
         self.config = config
         d = config.hidden_size
         # A fresh ResBlock per layer per head: `[ResBlock(d)] * n` would share one module.
+        inner = config.medusa_inner_size
+
+        def block() -> nn.Module:
+            return MLPBlock(d, inner) if inner else ResBlock(d)
+
         self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(d) for _ in range(config.medusa_num_layers)])
-            for _ in range(config.medusa_num_heads)
+            nn.Sequential(*[block() for _ in range(config.medusa_num_layers)]) for _ in range(config.medusa_num_heads)
         )
         self.lm_heads = (
             None
@@ -61,13 +80,13 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def for_base(cls, base_model, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True,
-                 name_or_path: str = "") -> MedusaHeads:
+                 name_or_path: str = "", inner_size: int = 0) -> MedusaHeads:
         """Fresh heads sized for `base_model`, on its device and dtype; own LM heads copy the base's."""
         cfg = base_model.config.get_text_config()
         heads = cls(HeadsConfig(
             medusa_num_heads=num_heads, medusa_num_layers=num_layers, hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size, base_model_name_or_path=name_or_path or cfg.name_or_path,
-            shared_lm_head=shared_lm_head,
+            shared_lm_head=shared_lm_head, medusa_inner_size=inner_size,
         ))
         lm_head = base_model.get_output_embeddings()
         if heads.lm_heads is not None:
@@ -79,14 +98,21 @@ class MedusaHeads(nn.Module):
         """hidden [..., D] -> per-head features [K, ..., D] (before the LM head)."""
         return torch.stack([block(hidden) for block in self.blocks])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden [..., D] -> logits [K, ..., V]. `lm_head` is the base's, needed when shared."""
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, with_features: bool = False,
+                vocab_rows: int | None = None):
+        """hidden [..., T, D] -> logits [K, ..., T, V] (and features [K, ..., T, D] when
+        with_features). `lm_head` is the base model's output layer, needed when it is shared.
+        vocab_rows: project only the first rows of T (training pays the V-wide projection
+        on a subset of positions)."""
         feats = self.features(hidden)
+        rows = feats if vocab_rows is None else feats[..., :vocab_rows, :]
         if self.lm_heads is None:
             if lm_head is None:
                 raise ValueError("these heads share the base LM head: pass lm_head=base.get_output_embeddings()")
-            return lm_head(feats)
-        return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+            logits = lm_head(rows)
+        else:
+            logits = torch.stack([head(f) for head, f in zip(self.lm_heads, rows)])
+        return (feats, logits) if with_features else logits
 
     def check_fits(self, base_model) -> None:
         """Refuse heads trained for another hidden size or vocabulary, naming both."""
@@ -109,7 +135,14 @@ class MedusaHeads(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None) -> MedusaHeads:
+        """Load heads saved by save_pretrained, or a FasterDecoding Medusa or vLLM Medusa checkpoint."""
+        from . import interop
+
         path = Path(path).expanduser()
+        if path.is_dir() and interop.is_faster_decoding(path):
+            return interop.load_faster_decoding(path).to(device=device, dtype=dtype).eval()
+        if path.is_dir() and interop.is_vllm(path):
+            return interop.load_vllm(path).to(device=device, dtype=dtype).eval()
         if not (path / CONFIG_NAME).is_file():
             raise MedusaError(f"no Medusa heads at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
         raw = json.loads((path / CONFIG_NAME).read_text())

@@ -43,7 +43,7 @@ def cache_dir() -> Path:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu" or device.startswith("cuda"):
+    if device == "cpu" or device.startswith("cpu:") or device.startswith("cuda"):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise MedusaError(f"device {device!r} asked for, but torch sees no CUDA device; use --device cpu")
         return torch.device(device)

@@ -1,0 +1,370 @@
+"""Medusa-1 head training on a frozen base model, on HF Accelerate.
+
+Glossary: H cached hidden states (every token of every conversation), P training positions,
+K heads, D hidden size, V vocabulary, B positions per step and process.
+
+Stages:
+  1. features: one base forward per conversation; its last hidden states (after the final
+     norm) are cached on disk in shards, so the base model never runs again (resumable);
+  2. train: the heads on shuffled batches of cached positions. Head k at position t learns
+     token t+k+1: `tokens` targets are the data's tokens, `kd` targets the base model's own
+     distribution at t+k (its LM head on the cached h[t+k]); an optional EAGLE-style term
+     regresses head k's feature onto h[t+k];
+  3. evaluate: top-1 / top-5 of each head on held-out conversations -> metrics.json.
+
+The same command runs in one CPU process or under `accelerate launch` on N processes/GPUs;
+Accelerate owns the process group and the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .config import MedusaError, TrainConfig
+from .data import conversations, tokenize_conversation
+from .heads import MedusaHeads
+
+log = logging.getLogger(__name__)
+
+SHARD_CONVERSATIONS = 256  # conversations per feature shard: the unit of resumption
+IGNORE = -100
+
+
+@dataclass
+class Positions:
+    """Training positions over cached hidden states."""
+
+    # [H, D] every cached hidden state
+    hidden: torch.Tensor
+    # [P] long: index into `hidden` of position t
+    index: torch.Tensor
+    # [P, K] long: label of head k (token t+k+1), IGNORE where it is not an assistant token
+    labels: torch.Tensor
+    # [P, K] long: index into `hidden` of h[t+k], whose LM-head output predicts token t+k+1
+    target_index: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.index.numel()
+
+
+def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path, limit: int | None,
+                   is_main: bool, progress: bool = True) -> tuple[list[Path], Counter]:
+    """Cache the base model's last hidden states of a split's conversations in shards of
+    SHARD_CONVERSATIONS, each a safetensors file with hidden [H_s, D], ids [H_s],
+    mask [H_s] and offsets [S+1]. Existing shards are kept (resumption)."""
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    from .decode import context_length
+
+    max_length = min(cfg.max_length, context_length(model))
+    fingerprint = {"model": cfg.model, "data": cfg.data, "max_length": max_length, "dtype": str(model.dtype),
+                   "shard_conversations": SHARD_CONVERSATIONS}
+    stamp = folder / "fingerprint.json"
+    if is_main:
+        if stamp.is_file() and json.loads(stamp.read_text()) != fingerprint:
+            raise MedusaError(f"{folder} caches features of other data or settings ({stamp}); use another --out")
+        stamp.write_text(json.dumps(fingerprint) + "\n")
+    counts: Counter = Counter()
+    shards: list[Path] = []
+    pending: list = []
+    bar = tqdm(total=limit, desc=f"features ({split})", unit="conv", disable=not (progress and is_main))
+
+    def write(shard: Path) -> None:
+        if is_main and not shard.is_file():
+            hidden, ids, masks, offsets = [], [], [], [0]
+            with torch.inference_mode():
+                for ex in pending:
+                    out = model.get_decoder()(input_ids=ex.input_ids[None].to(model.device))
+                    hidden.append(out.last_hidden_state[0].to("cpu", model.dtype))
+                    ids.append(ex.input_ids)
+                    masks.append(ex.loss_mask)
+                    offsets.append(offsets[-1] + ex.input_ids.numel())
+                    bar.update(1)
+            tmp = shard.with_suffix(".tmp")
+            save_file({"hidden": torch.cat(hidden).contiguous(), "ids": torch.cat(ids),
+                       "mask": torch.cat(masks).to(torch.uint8), "offsets": torch.tensor(offsets)}, tmp)
+            tmp.rename(shard)
+        else:
+            bar.update(len(pending))
+        shards.append(shard)
+
+    n = 0
+    for _, messages in conversations(cfg.data, counts, split=split):
+        if limit is not None and n >= limit:
+            break
+        ex = tokenize_conversation(tokenizer, messages, max_length)
+        if ex is None:
+            counts["no assistant token within max_length"] += 1
+            continue
+        if ex.input_ids.numel() == max_length:
+            counts[f"truncated to {max_length} tokens"] += 1
+        pending.append(ex)
+        n += 1
+        if len(pending) == SHARD_CONVERSATIONS:
+            write(folder / f"{split}-{len(shards):05d}.safetensors")
+            pending = []
+    if pending:
+        write(folder / f"{split}-{len(shards):05d}.safetensors")
+    bar.close()
+    counts[f"{split} conversations"] = n
+    return shards, counts
+
+
+def load_positions(shards: list[Path], num_heads: int) -> Positions:
+    """Shards -> Positions: every token t with at least one learnable head label."""
+    hidden, index, labels, targets = [], [], [], []
+    base = 0
+    steps = torch.arange(2, num_heads + 2)  # [K]: head k's label is token t+k+1 = t + (k-1) + 2
+    for shard in shards:
+        data = load_file(shard)
+        ids, mask, offsets = data["ids"], data["mask"].bool(), data["offsets"].tolist()
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            t = torch.arange(end - start)[:, None]  # [T, 1]
+            pos = t + steps  # [T, K]: position of each head's label token
+            valid = pos < end - start
+            pos_c = pos.clamp(max=end - start - 1) + start
+            valid &= mask[pos_c]
+            keep = valid.any(-1)
+            index.append(base + start + t[keep, 0])
+            labels.append(torch.where(valid, ids[pos_c], IGNORE)[keep])
+            targets.append((base + pos_c - 1)[keep])
+        hidden.append(data["hidden"])
+        base += data["hidden"].shape[0]
+    if not index:
+        raise MedusaError("no training positions: the data has no assistant tokens")
+    return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets))
+
+
+def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainConfig):
+    """Loss and per-head top-1 on a batch of positions idx [B] -> (loss [], top1 [K]).
+
+    The V-wide terms (tokens or kd) use the first ceil(vocab_fraction * B) positions of the
+    (already shuffled) batch; the feature term, when weighted, uses all of them."""
+    h = pos.hidden[pos.index[idx]].float()  # [B, D]
+    labels = pos.labels[idx]  # [B, K]
+    target_h = pos.hidden[pos.target_index[idx]].float()  # [B, K, D]
+    n_vocab = max(1, math.ceil(cfg.vocab_fraction * idx.numel()))
+    feats, logits = heads(h, lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
+    loss = logits.new_zeros(())
+    top1 = []
+    for k in range(logits.shape[0]):
+        valid = labels[:, k] != IGNORE  # [B]
+        sub = valid[:n_vocab]  # [b]
+        term = logits.new_zeros(())
+        if sub.any():
+            logit_k = logits[k][sub].float()  # [b', V]
+            if cfg.targets == "tokens":
+                term = F.cross_entropy(logit_k, labels[:n_vocab][sub, k])
+            else:
+                with torch.no_grad():  # the base model's own distribution at t+k
+                    log_p = torch.log_softmax(lm_head(target_h[:n_vocab][sub, k]).float(), -1)  # [b', V]
+                term = F.kl_div(torch.log_softmax(logit_k, -1), log_p, log_target=True, reduction="batchmean")
+            top1.append((logit_k.argmax(-1) == labels[:n_vocab][sub, k]).float().mean().detach())
+        else:
+            top1.append(torch.tensor(float("nan")))
+        if cfg.feature_weight > 0 and valid.any():
+            term = term + cfg.feature_weight * F.smooth_l1_loss(feats[k][valid].float(), target_h[valid, k])
+        loss = loss + cfg.decay**k * term
+    return loss, torch.stack(top1)
+
+
+@torch.no_grad()
+def evaluate(heads, lm_head, pos: Positions, batch_size: int = 512, topk: int = 5) -> dict:
+    """Top-1 and top-5 accuracy of each head on labelled positions."""
+    k_heads = pos.labels.shape[1]
+    hits1, hits5, count = torch.zeros(k_heads), torch.zeros(k_heads), torch.zeros(k_heads)
+    for start in range(0, len(pos), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(pos)))
+        logits = heads(pos.hidden[pos.index[idx]].float(), lm_head)  # [K, B, V]
+        labels = pos.labels[idx]  # [B, K]
+        top = logits.topk(topk, dim=-1).indices  # [K, B, topk]
+        for k in range(k_heads):
+            valid = labels[:, k] != IGNORE
+            hit = top[k][valid] == labels[valid, k, None]  # [b, topk]
+            hits1[k] += hit[:, 0].sum()
+            hits5[k] += hit.any(-1).sum()
+            count[k] += valid.sum()
+    count = count.clamp(min=1)
+    return {"top1": (hits1 / count).tolist(), "top5": (hits5 / count).tolist(), "positions": count.long().tolist()}
+
+
+class _Stop:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then checkpoints)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Run the three stages; return the final metrics. `resume` continues from the checkpoint
+    in cfg.out (optimizer, scheduler, data position). `stop_after` (tests) simulates a kill
+    after that many optimizer steps, leaving a checkpoint."""
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object, set_seed
+    from tqdm import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    from .models import load_base, resolve_device
+
+    out = Path(cfg.out)
+    checkpoint = out / "checkpoint"
+    if (checkpoint / "trainer_state.json").is_file() and not resume:
+        raise MedusaError(f"{out} already holds a training checkpoint: pass --resume, or choose another --out")
+    if resume and not (checkpoint / "trainer_state.json").is_file():
+        raise MedusaError(f"--resume: no checkpoint in {out}")
+    device = resolve_device(cfg.device)
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
+    accelerator = Accelerator(mixed_precision=mp, cpu=device.type == "cpu", gradient_accumulation_steps=cfg.grad_accum)
+    set_seed(cfg.seed)
+    is_main = accelerator.is_main_process
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+    # 1. features: the frozen base runs once per conversation; the main process writes shards
+    base, tokenizer, _ = load_base(cfg.model, dtype=cfg.dtype, device=str(accelerator.device))
+    if tokenizer.chat_template is None:
+        raise MedusaError(f"{cfg.model} has no chat template: head training renders chat conversations")
+    feature_dir = out / "features"
+    train_shards, counts = feature_shards(base, tokenizer, cfg, "train", feature_dir, cfg.max_conversations,
+                                          is_main, progress)
+    eval_shards, eval_counts = feature_shards(base, tokenizer, cfg, "eval", feature_dir, cfg.eval_conversations,
+                                              is_main, progress)
+    accelerator.wait_for_everyone()
+    counts.update({k if k.startswith("eval") else f"eval: {k}": v for k, v in eval_counts.items()})
+    if is_main:
+        log.info("data: %s", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    lm_head = base.get_output_embeddings()
+    heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
+    heads = heads.float().train()
+    lm_head.float().requires_grad_(False)
+    del base
+    pos = load_positions(train_shards, cfg.num_heads)
+
+    # 2. train
+    world, rank = accelerator.num_processes, accelerator.process_index
+    steps_per_epoch = len(pos) // (cfg.batch_size * world)
+    if steps_per_epoch < 1:
+        raise MedusaError(f"{len(pos)} training positions are fewer than one batch of {cfg.batch_size * world}")
+    total_steps = max(1, math.floor(steps_per_epoch * cfg.epochs))
+    optimizer = torch.optim.AdamW(
+        (p for p in heads.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, total_steps // 10 + 1),
+                                                math.ceil(total_steps / cfg.grad_accum))
+    heads, optimizer = accelerator.prepare(heads, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    step = 0
+    if resume:
+        accelerator.load_state(str(checkpoint))
+        step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+        if is_main:
+            log.info("resumed from %s at step %d", checkpoint, step)
+
+    def save_checkpoint() -> None:
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(checkpoint))
+        if is_main:
+            (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+        accelerator.wait_for_everyone()
+
+    stopper = _Stop()
+    log_file = (out / "log.jsonl").open("a") if is_main else None
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and is_main))
+    order, order_epoch = None, -1
+    t0, seen = time.perf_counter(), 0
+    try:
+        while step < total_steps:
+            epoch, offset = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:  # the same order on every process and after a resume
+                order = torch.randperm(len(pos), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                order_epoch = epoch
+            start = (offset * world + rank) * cfg.batch_size
+            idx = order[start : start + cfg.batch_size]
+            with accelerator.accumulate(heads), accelerator.autocast():
+                loss, top1 = head_losses(heads, lm_head, pos, idx, cfg)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad()
+            step += 1
+            seen += idx.numel() * world
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total_steps:
+                record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(),
+                          "lr": scheduler.get_last_lr()[0], "top1": [round(x, 4) for x in top1.tolist()],
+                          "positions_per_s": seen / (time.perf_counter() - t0)}
+                bar.set_postfix(loss=f"{record['loss']:.3f}", top1="/".join(f"{x:.2f}" for x in top1.tolist()))
+                if log_file:
+                    log_file.write(json.dumps(record) + "\n")
+                    log_file.flush()
+            stop_now = stopper.requested or (stop_after is not None and step >= stop_after)
+            if step % cfg.save_every == 0 or stop_now:
+                save_checkpoint()
+            if stop_now:
+                if is_main:
+                    log.info("stopped at step %d; checkpoint saved: rerun the same command with --resume", step)
+                return {"interrupted_at": step}
+    finally:
+        stopper.restore()
+        bar.close()
+        if log_file:
+            log_file.close()
+
+    # 3. evaluate on held-out conversations, save the heads
+    save_checkpoint()
+    unwrapped = accelerator.unwrap_model(heads).eval()
+    metrics = {"train_positions": len(pos), "steps": step, "data": dict(counts),
+               "weights_sha256_per_process": gather_object([weights_digest(unwrapped)])}
+    if eval_shards:
+        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads))
+    if is_main:
+        unwrapped.save_pretrained(out)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: equal across processes when the all-reduce worked."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def metrics_table(metrics: dict) -> str:
+    ev = metrics.get("eval")
+    if not ev:
+        return "no held-out conversations: no evaluation"
+    rows = ["head  top-1  top-5  positions"]
+    for k, (a, b, n) in enumerate(zip(ev["top1"], ev["top5"], ev["positions"]), start=1):
+        rows.append(f"{k:>4}  {a:5.3f}  {b:5.3f}  {n:>9}")
+    return "\n".join(rows)
