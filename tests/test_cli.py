@@ -52,6 +52,7 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-1"], "top_k must be >= 0"),
     (["--acceptance", "sometimes"], "acceptance"),
     (["--heads", "BAD"], "heads do not fit the base model: heads have hidden_size=64, vocab_size=320"),
     (["--heads", "/no/such/heads"], "no Medusa heads at"),

@@ -157,3 +157,62 @@ def test_stats_count_steps_and_depths(model):
     assert stats.mean_accepted_length == pytest.approx(5.0, abs=0.6)  # 4 candidates + bonus
     assert stats.acceptance_per_depth[0] == 1.0
     assert stats.new_tokens == 25
+
+
+@pytest.mark.parametrize("with_heads", [False, True])
+def test_ngram_branch_keeps_plain_output_and_copies(model, with_heads):
+    """With an n-gram branch (alone = prompt lookup, or beside the heads) the output is still
+    plain greedy; on a prompt that the model goes on to repeat, the branch is accepted."""
+    from medusa_decoding.config import NgramConfig
+
+    heads = random_heads(model) if with_heads else None
+    copied = 0
+    for prompt in prompts(6, seed=8):
+        plain, _ = run(model, prompt, None, max_new_tokens=50, ignore_eos=True)
+        # a prompt that holds the answer: the model's own continuation, then a recap cue
+        for p in (prompt, prompt + plain[:30] + prompt):
+            want, _ = run(model, p, None, max_new_tokens=50, ignore_eos=True)
+            stats = GenerationStats()
+            got = []
+            for chunk in decode(model, torch.tensor([p]), heads, build_tree(DEFAULT_TREE),
+                                GenerationConfig(max_new_tokens=50, ignore_eos=True), SamplingConfig(), {EOS},
+                                stats, ngram=NgramConfig(length=6)):
+                got += chunk
+            assert got == want
+            copied += stats.ngram_accepted
+    assert copied > 20
+
+
+def test_ngram_proposer_finds_the_latest_match():
+    import numpy as np
+
+    from medusa_decoding.config import NgramConfig
+    from medusa_decoding.proposers import NgramProposer
+
+    prop = NgramProposer(NgramConfig(length=3, max_ngram=2))
+    ctx = np.array([1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2])
+    assert prop.propose(ctx).tolist() == [4, 5, 6]  # the latest "1 2" is followed by 4 5 6
+    assert prop.propose(np.array([7, 8, 9])) is None
+    assert prop.propose(np.array([5, 6, 7, 5])).tolist() == [6, 7, 5]  # falls back to 1-grams
+    assert prop.padded(np.array([4]), "cpu").tolist() == [4, 4, 4]
+
+
+@pytest.mark.parametrize("ngram_length", [0, 5])
+def test_dynamic_tree_gives_plain_output(model, ngram_length):
+    from medusa_decoding.config import NgramConfig
+    from medusa_decoding.tree import dynamic_tree
+
+    dyn = dynamic_tree(width=4, depth=3, budget=12)
+    accepted = []
+    for i, prompt in enumerate(prompts(5, seed=9)):
+        plain, _ = run(model, prompt, None, max_new_tokens=40, ignore_eos=True)
+        for heads in (random_heads(model, seed=i), OracleHeads(model, prompt, plain, seed=i)):
+            stats = GenerationStats()
+            got = []
+            for chunk in decode(model, torch.tensor([prompt]), heads, dyn,
+                                GenerationConfig(max_new_tokens=40, ignore_eos=True), SamplingConfig(), {EOS}, stats,
+                                ngram=NgramConfig(length=ngram_length) if ngram_length else None):
+                got += chunk
+            assert got == plain
+        accepted.append(stats.mean_accepted_length)
+    assert sum(accepted) / len(accepted) > 1.5  # the oracle's paths are found and accepted

@@ -180,3 +180,27 @@ def test_bad_data_is_counted_not_fatal(base_dir, tmp_path):
     assert counts["truncated or malformed JSON (rest of file skipped)"] == 1
     with pytest.raises(MedusaError, match="neither 'sharegpt' nor an existing"):
         train(cfg(base_dir, tmp_path / "missing.jsonl", tmp_path / "run2"), progress=False)
+
+
+def test_shortlist_loss_covers_only_frequent_tokens():
+    from medusa_decoding.config import HeadsConfig
+    from medusa_decoding.train import shortlist_head
+
+    torch.manual_seed(1)
+    d, v = 8, 12
+    lm_head = torch.nn.Linear(d, v, bias=False)
+    heads = MedusaHeads(HeadsConfig(medusa_num_heads=2, hidden_size=d, vocab_size=v))
+    hidden = torch.randn(6, d)
+    labels = torch.tensor([[3, 3], [3, 5], [5, IGNORE], [7, 3]])
+    pos = Positions(hidden=hidden, index=torch.tensor([0, 1, 2, 3]), labels=labels,
+                    target_index=torch.tensor([[1, 2], [2, 3], [3, 4], [4, 5]]))
+    idx = torch.arange(4)
+    for targets in ("tokens", "kd"):
+        c = TrainConfig(targets=targets)
+        full, _ = head_losses(heads, lm_head, pos, idx, c)
+        head, label_map = shortlist_head(lm_head, labels, v)  # every token: the same loss
+        same, _ = head_losses(heads, head, pos, idx, c, label_map)
+        torch.testing.assert_close(same, full)
+    head, label_map = shortlist_head(lm_head, labels, 2)  # tokens 3 and 5 (7 is rarer)
+    assert head.weight.shape == (2, d) and label_map[3] == 0 and label_map[5] == 1 and label_map[7] == IGNORE
+    torch.testing.assert_close(head.weight, lm_head.weight[[3, 5]])

@@ -87,3 +87,44 @@ def test_tree_file(tmp_path):
         load_tree_file(f)
     with pytest.raises(MedusaError, match="does not exist"):
         load_tree_file(tmp_path / "missing.json")
+
+
+def test_ngram_chain_hangs_under_the_root():
+    tree = build_tree([(0,), (1,), (0, 0)], ngram_length=3)
+    assert tree.num_nodes == 7 and tree.depth.tolist() == [0, 1, 1, 2, 1, 2, 3]
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 0, 4, 5]
+    # the chain's last node sees the root, the chain before it and itself; nothing of the heads
+    assert tree.mask[6].tolist() == [True, False, False, False, True, True, True]
+    assert tree.mask[:4, 4:].sum() == 0
+    assert [4, 5, 6] in [[i for i in row if i > 0] for row in tree.retrieve.tolist()]
+    head_topk = torch.tensor([[10, 11], [20, 21]])
+    tokens = tree_tokens(tree, torch.tensor(5), head_topk, torch.tensor([7, 8, 9]))
+    assert tokens.tolist() == [5, 10, 11, 20, 7, 8, 9]
+    only_ngram = build_tree([], ngram_length=2)
+    assert tree_tokens(only_ngram, torch.tensor(5), None, torch.tensor([7, 8])).tolist() == [5, 7, 8]
+
+
+def test_dynamic_selection_keeps_the_most_probable_paths():
+    import itertools
+
+    from medusa_decoding.tree import dynamic_tree, select_tree
+
+    g = torch.Generator().manual_seed(0)
+    dyn = dynamic_tree(width=3, depth=3, budget=9, ngram_length=2)
+    for _ in range(20):
+        log_probs = torch.log_softmax(torch.randn(3, 8, generator=g), -1).topk(3).values  # [depth, width]
+        tree = select_tree(dyn, log_probs, with_ngram=False)
+        score = {p: sum(float(log_probs[d, r]) for d, r in enumerate(p))
+                 for n in (1, 2, 3) for p in itertools.product(range(3), repeat=n)}
+        best = sorted(score, key=lambda p: -score[p])[:8]
+        ref = build_tree(best)  # the same nodes, built from their paths
+        assert tree.num_nodes == 9
+        assert torch.equal(tree.mask, ref.mask) and torch.equal(tree.depth, ref.depth)
+        assert torch.equal(tree.parent, ref.parent)
+        def rows(t):
+            return sorted(tuple(i for i in row if i >= 0) for row in t.retrieve.tolist())
+        assert rows(tree) == rows(ref)
+        head_topk = torch.arange(9).reshape(3, 3)
+        assert torch.equal(tree_tokens(tree, torch.tensor(99), head_topk), tree_tokens(ref, torch.tensor(99), head_topk))
+    with_chain = select_tree(dyn, log_probs, with_ngram=True)
+    assert with_chain.num_nodes == 11 and with_chain.depth[-2:].tolist() == [1, 2]

@@ -28,7 +28,8 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def load_model(model: str, heads: Optional[Path], tree: Optional[Path], dtype: str, device: str, no_medusa: bool):
+def load_model(model: str, heads: Optional[Path], tree: Optional[Path], dtype: str, device: str, no_medusa: bool,
+               ngram: int = 0):
     from .engine import MedusaModel, shipped_heads
 
     if no_medusa:
@@ -39,7 +40,10 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[Path], dtype: s
         heads_arg = shipped_heads(model)  # None when nothing is shipped: plain decoding
         if heads_arg is None and model == DEFAULT_MODEL:
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
-    return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device)
+    from .config import NgramConfig
+
+    return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
+                                       ngram=NgramConfig(length=ngram) if ngram else None)
 
 
 @app.callback()
@@ -64,6 +68,7 @@ def generate(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline)."),
+    ngram: int = typer.Option(0, "--ngram", help="Add an n-gram branch of this many tokens copied from the context (prompt lookup); 0: none."),
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
     from .config import GenerationConfig, SamplingConfig
@@ -73,13 +78,17 @@ def generate(
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    m = load_model(model, heads, tree, dtype, device, no_medusa)
+    if ngram < 0:
+        fail(f"--ngram must be >= 0, got {ngram}")
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    method = "plain" if m.heads is None else f"medusa ({m.tree.num_nodes}-node tree)"
+    parts = [f"medusa ({m.tree.num_nodes}-node tree)"] if m.heads is not None else []
+    parts += [f"{m.ngram.length}-token n-gram branch"] if m.ngram and not no_medusa else []
+    method = " + ".join(parts) or "plain"
     typer.echo(f"[{method}] {stream.stats.summary()}", err=True)
 
 
@@ -102,6 +111,49 @@ def distill_data(
     counts = distill(model, out, source=data, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
                      batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, dtype=dtype, device=device)
     typer.echo("; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), err=True)
+
+
+@app.command()
+def calibrate(
+    heads: Path = typer.Option(..., "--heads", help="Heads folder; the tree is saved there as tree.json unless --out."),
+    model: str = ModelOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of prompts (Spec-Bench format or {\"prompt\": ...}); default: held-out ShareGPT."),
+    limit: int = typer.Option(24, "--limit", help="Calibration prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to save the tree (default: HEADS/tree.json)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+) -> None:
+    """Fit the tree to the heads and this device: head accuracy, verify latency, best tree."""
+    import torch
+
+    from . import calibrate as cal
+    from .engine import MedusaModel
+
+    if limit < 1 or max_new_tokens < 1:
+        fail("--limit and --max-new-tokens must be >= 1")
+    m = MedusaModel.from_pretrained(model, heads=heads, dtype=dtype, device=device)
+    texts = cal.calibration_prompts(prompts, limit)
+    sequences = []
+    with typer.progressbar(texts, label="greedy answers", file=sys.stderr) as bar:
+        for text in bar:
+            ids = m.encode(text)
+            answer = m.generate(ids, max_new_tokens=max_new_tokens)
+            sequences.append((ids.shape[1], torch.cat([ids[0].cpu(), torch.tensor(answer.token_ids)])))
+    accuracy = cal.head_accuracy(m.base, m.heads, sequences)
+    typer.echo("measuring verification latency ...", err=True)
+    latency = cal.verify_latency(m.base)
+    result = cal.fit(accuracy, latency, cal.heads_latency(m.base, m.heads))
+    target = out or heads / "tree.json"
+    cal.save(result, target)
+    typer.echo("head  top-1  top-5  top-10")
+    for k, row in enumerate(accuracy, start=1):
+        typer.echo(f"{k:>4}  {row[0]:5.3f}  {sum(row[:5]):5.3f}  {sum(row):6.3f}")
+    typer.echo("nodes  expected tau  cost  expected speed-up")
+    for c in result.curve:
+        mark = "  <- chosen" if c["n"] == result.best["n"] else ""
+        typer.echo(f"{c['n']:>5}  {c['expected_tau']:12.2f}  {c['cost']:4.2f}  {c['expected_speedup']:17.2f}{mark}")
+    typer.echo(f"saved {target}", err=True)
 
 
 @app.command()
@@ -140,6 +192,7 @@ def train(
     targets: str = typer.Option("kd", "--targets", help="tokens: the data's tokens; kd: the base model's distribution."),
     feature_weight: float = typer.Option(0.0, "--feature-weight", help="Weight of the EAGLE-style feature regression term."),
     vocab_fraction: float = typer.Option(1.0, "--vocab-fraction", help="Share of positions that pay the vocabulary-wide loss."),
+    train_vocab: int = typer.Option(0, "--train-vocab", help="Vocabulary losses over only the N most frequent label tokens (0: all)."),
     decay: float = typer.Option(0.8, "--decay", help="Head k's loss weight is decay**(k-1)."),
     epochs: float = typer.Option(1.0, "--epochs"),
     lr: float = typer.Option(1e-3, "--lr"),
@@ -162,7 +215,7 @@ def train(
 
     cfg = TrainConfig(
         model=model, data=data, out=str(out), num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
-        targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, decay=decay, epochs=epochs, lr=lr,
+        targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, train_vocab=train_vocab, decay=decay, epochs=epochs, lr=lr,
         warmup_steps=warmup_steps, batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
         max_conversations=max_conversations, eval_conversations=eval_conversations, save_every=save_every,
         seed=seed, dtype=dtype, device=device, mixed_precision=mixed_precision,

@@ -119,6 +119,7 @@ class TrainConfig:
     targets: str = "kd"  # "tokens": the data's next tokens; "kd": the base model's distribution
     feature_weight: float = 0.0  # EAGLE-style smooth-L1 of head k's feature onto the base's at t+k
     vocab_fraction: float = 1.0  # share of a batch's positions that pay the [V]-wide projection
+    train_vocab: int = 0  # > 0: the vocabulary losses use only the most frequent label tokens
     decay: float = 0.8  # head k's loss is weighted decay**(k-1)
     epochs: float = 1.0  # passes over the training positions (fractions allowed)
     lr: float = 1e-3
@@ -147,3 +148,17 @@ class TrainConfig:
             raise MedusaError(f"vocab_fraction must be in (0, 1], got {self.vocab_fraction}")
         if self.epochs <= 0 or self.lr <= 0:
             raise MedusaError("epochs and lr must be > 0")
+
+
+@dataclass
+class NgramConfig:
+    """The n-gram branch: tokens copied from the context after an earlier occurrence of its
+    last n tokens (prompt lookup), verified in the same forward as the head candidates."""
+
+    length: int = 8  # tokens proposed: nodes of the n-gram chain under the root
+    max_ngram: int = 3  # the longest suffix is matched first
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.length < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+            raise MedusaError("n-gram branch: need length >= 1 and 1 <= min_ngram <= max_ngram")

@@ -10,13 +10,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .acceptance import accept
 from .cache import keep_path, new_cache
-from .config import GenerationConfig, MedusaError, SamplingConfig
+from .config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .heads import MedusaHeads
-from .tree import TreeBuffers, build_tree, tree_tokens
+from .proposers import NgramProposer
+from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, select_tree, tree_tokens
 
 ROOT_ONLY = build_tree([])
 
@@ -34,6 +36,8 @@ class GenerationStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    ngram_steps: int = 0  # steps whose tree carried an n-gram branch
+    ngram_accepted: int = 0  # candidates accepted on the n-gram branch
 
     @property
     def mean_accepted_length(self) -> float:
@@ -65,7 +69,8 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
             "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
             "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s": self.tokens_per_s, "ngram_steps": self.ngram_steps,
+            "ngram_accepted": self.ngram_accepted,
         }
 
 
@@ -100,25 +105,58 @@ def tree_bias(tree: TreeBuffers, dtype: torch.dtype, device) -> torch.Tensor:
     return bias.masked_fill_(~tree.mask.to(device), torch.finfo(dtype).min)
 
 
+class StepTrees:
+    """The tree of each step: a static tree (TreeBuffers), with or without the n-gram chain,
+    or a DynamicTree selected from the heads' probabilities every step."""
+
+    def __init__(self, tree: TreeBuffers | DynamicTree, ngram_length: int, dtype: torch.dtype, device):
+        self.dtype, self.device = dtype, device
+        if isinstance(tree, DynamicTree):
+            u = tree.universe
+            if u.ngram_length != ngram_length:
+                tree = dynamic_tree(u.topk, u.max_depth, tree.budget, ngram_length)
+            self.dynamic, self.static = tree.to(device), []
+            self.depth_limit = tree.universe.depth_limit
+        else:
+            self.dynamic = None
+            self.static = [tree.to(device)]  # [0]: without, [1]: with the n-gram chain
+            if ngram_length:
+                self.static.append(build_tree(tree.paths, ngram_length).to(device))
+            self.biases = [tree_bias(t, dtype, device) for t in self.static]  # [N, N] each
+            self.depth_limit = max(t.depth_limit for t in self.static)
+
+    def pick(self, with_ngram: bool, head_logits: torch.Tensor | None):
+        """head_logits [K, V] or None -> (tree, bias [N, N], head_topk [K, topk] or None)."""
+        if self.dynamic is None:
+            tree = self.static[int(with_ngram)]
+            topk = head_logits.topk(tree.topk, dim=-1).indices if tree.max_depth else None
+            return tree, self.biases[int(with_ngram)], topk
+        u = self.dynamic.universe
+        log_probs, topk = torch.log_softmax(head_logits.float(), -1).topk(u.topk, dim=-1)  # [K, width] each
+        tree = select_tree(self.dynamic, log_probs[: u.max_depth], with_ngram)
+        return tree, tree_bias(tree, self.dtype, self.device), topk
+
+
 def decode(
     model,
     input_ids: torch.Tensor,
     heads: MedusaHeads | None,
-    tree: TreeBuffers,
+    tree: TreeBuffers | DynamicTree,
     generation: GenerationConfig,
     sampling: SamplingConfig,
     eos_token_ids: set[int],
     stats: GenerationStats,
+    ngram: NgramConfig | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step (a list of ids) for one prompt, input_ids [1, T].
 
+    heads None: no head candidates (plain decoding, or prompt lookup alone with `ngram`).
+    tree: a static tree, or a DynamicTree re-selected every step from the heads' probabilities.
+    ngram: add a branch of tokens copied from the context whenever its last tokens recur.
     Stops after an EOS token (emitted), at max_new_tokens or at the context length; `stats` is
-    filled in as it goes. Greedy output is token-identical to plain decoding whatever the heads.
+    filled in as it goes. Greedy output is token-identical to plain decoding whatever the drafts.
     """
     device = input_ids.device
-    if heads is None:
-        tree = ROOT_ONLY
-    tree = tree.to(device)
     ctx = context_length(model)
     prompt_len = input_ids.shape[1]
     if prompt_len == 0:
@@ -128,11 +166,11 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    trees = StepTrees(tree if heads is not None else ROOT_ONLY, ngram.length if ngram else 0, model.dtype, device)
     lm_head = model.get_output_embeddings()
-    bias = tree_bias(tree, model.dtype, device)  # [N, N]
-    depth = tree.depth  # [N]
+    ngram_proposer = NgramProposer(ngram) if ngram is not None else None
     stats.prompt_tokens = prompt_len
-    stats.accepted_per_depth = [0] * tree.max_depth
+    stats.accepted_per_depth = [0] * trees.depth_limit
 
     # Prefill: the prompt's last position gives the first token (the first root) and the
     # hidden state the heads read for the first tree.
@@ -145,6 +183,7 @@ def decode(
     root, last_hidden = first.bonus, hidden[-1]  # [], [D]
     prefix = prompt_len  # tokens in the cache; the root is emitted but not yet cached
     token = int(root)
+    context = np.array(input_ids[0].tolist() + [token], dtype=np.int64)  # for the n-gram proposer
     stats.new_tokens = 1
     stats.prefill_s = time.perf_counter() - t0
     yield [token]
@@ -153,26 +192,28 @@ def decode(
 
     t0 = time.perf_counter()
     while prefix + 1 < ctx:
-        step_tree, step_bias, step_depth = tree, bias, depth
-        if prefix + tree.max_depth + 2 > ctx:  # too close to the context end for the whole tree
-            step_tree, step_bias, step_depth = ROOT_ONLY, bias[:1, :1], depth[:1]
         with torch.inference_mode():
-            # 1. propose: the heads' top-k at the last accepted position fill the tree
+            # 1. propose: the heads read the last accepted position; an n-gram branch joins
+            #    when the context's last tokens occurred before; the step's tree takes both
+            copied = ngram_proposer.propose(context) if ngram_proposer else None
+            with_ngram = copied is not None and len(copied) > 0
+            if prefix + trees.depth_limit + 2 <= ctx:
+                head_logits = heads(last_hidden, lm_head) if heads is not None else None  # [K, V]
+                step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
+            else:  # too close to the context end for a tree
+                step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
+            ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
+            tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
+            mask = None
             if step_tree.num_nodes > 1:
-                head_logits = heads(last_hidden, lm_head)  # [K, V]
-                head_topk = head_logits.topk(step_tree.topk, dim=-1).indices  # [K, topk]
-                tokens = tree_tokens(step_tree, root, head_topk)  # [N]
-                mask = torch.cat(
-                    [torch.zeros(len(tokens), prefix, dtype=step_bias.dtype, device=device), step_bias], dim=1
-                )[None, None]  # [1, 1, N, prefix + N]
-            else:
-                tokens, mask = root.reshape(1), None
+                mask = torch.cat([bias.new_zeros(len(tokens), prefix), bias], dim=1)[None, None]  # [1, 1, N, prefix + N]
             # 2. verify: one forward over every node, each at position prefix + depth
-            logits, hidden = forward(model, tokens[None], (prefix + step_depth)[None], mask, cache)
+            logits, hidden = forward(model, tokens[None], (prefix + step_tree.depth)[None], mask, cache)
             # 3. accept: the longest path the base model agrees with, plus the bonus token
             result = accept(tokens, logits, step_tree, sampling, generator)
             # 4. commit: keep the accepted path's cache entries; the bonus is the next root
             keep_path(cache, prefix, result.nodes)
+        nodes = result.nodes.tolist()
         new = tokens[result.nodes[1:]].tolist() + [int(result.bonus)]
         prefix += len(new)
         root, last_hidden = result.bonus, hidden[result.nodes[-1]]
@@ -180,6 +221,10 @@ def decode(
         stats.accepted_lengths.append(len(new))
         for d in range(len(new) - 1):
             stats.accepted_per_depth[d] += 1
+        if with_ngram:
+            stats.ngram_steps += 1
+            if len(nodes) > 1 and nodes[1] >= step_tree.num_nodes - step_tree.ngram_length:
+                stats.ngram_accepted += len(nodes) - 1
 
         room = generation.max_new_tokens - stats.new_tokens
         new = new[:room]
@@ -188,6 +233,8 @@ def decode(
                 if t in eos_token_ids:
                     new = new[: i + 1]
                     break
+        if ngram_proposer:
+            context = np.concatenate([context, np.array(new, dtype=np.int64)])
         stats.new_tokens += len(new)
         stats.decode_s = time.perf_counter() - t0
         yield new

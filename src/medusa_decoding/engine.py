@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, SamplingConfig
+from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .decode import GenerationStats, decode
 from .heads import MedusaHeads
 from .models import load_base
@@ -27,6 +27,10 @@ TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
 
 def shipped_heads(alias: str) -> Path | None:
     """The heads shipped inside the package for a built-in model, if any."""
+    from .models import BUILTIN_MODELS
+
+    if alias not in BUILTIN_MODELS:
+        return None
     folder = resources.files("medusa_decoding") / "weights" / alias
     path = Path(str(folder))
     return path if (path / "config.json").is_file() else None
@@ -89,10 +93,12 @@ class TextStream:
 
 
 class MedusaModel:
-    """A base causal LM, optional Medusa heads and a candidate tree."""
+    """A base causal LM, optional Medusa heads, a candidate tree, an optional n-gram branch."""
 
-    def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = ""):
+    def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = "",
+                 ngram: NgramConfig | bool | None = None):
         self.base = base
+        self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.tokenizer = tokenizer
         self.name = name or base.config.name_or_path
         self.heads = None
@@ -134,12 +140,14 @@ class MedusaModel:
         dtype: str = "auto",
         device: str = "auto",
         attn_implementation: str = "sdpa",
+        ngram: NgramConfig | bool | None = None,
     ) -> MedusaModel:
         """Load a base model (built-in alias, HF folder or .gguf) and heads.
 
         heads: None for plain decoding, a folder, a MedusaHeads, or "shipped" for the heads the
         package ships for a built-in model. tree: paths or a JSON file; by default the heads'
-        calibrated tree.json when present, else the built-in default tree.
+        calibrated tree.json when present, else the built-in default tree. ngram: True (or an
+        NgramConfig) adds a prompt-lookup branch to every tree.
         """
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if heads == "shipped":
@@ -151,7 +159,7 @@ class MedusaModel:
             heads = MedusaHeads.from_pretrained(folder)
             if tree is None and (folder / TREE_NAME).is_file():
                 tree = folder / TREE_NAME
-        return cls(model, tokenizer, heads=heads, tree=tree, name=base)
+        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram)
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
         """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""
@@ -181,14 +189,16 @@ class MedusaModel:
         **sampling,
     ) -> TextStream:
         """Generate and stream text deltas. `sampling`: SamplingConfig fields (temperature, top_p,
-        top_k, seed, acceptance, ...). A tensor prompt is taken as input_ids [1, T]."""
+        top_k, seed, acceptance, ...). A tensor prompt is taken as input_ids [1, T].
+        use_medusa=False: plain decoding (no heads, no n-gram branch), the baseline."""
         generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos)
         sampling_config = SamplingConfig(**sampling)
         input_ids = prompt.to(self.device) if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat)
         stats = GenerationStats()
         heads = self.heads if use_medusa else None
+        ngram = self.ngram if use_medusa else None
         tokens = decode(self.base, input_ids, heads, self.tree, generation, sampling_config,
-                        self.eos_token_ids, stats)
+                        self.eos_token_ids, stats, ngram=ngram)
         return TextStream(self.tokenizer, tokens, stats, generation, self.eos_token_ids)
 
     def generate(self, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationOutput:

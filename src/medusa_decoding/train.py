@@ -147,13 +147,18 @@ def load_positions(shards: list[Path], num_heads: int) -> Positions:
     return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets))
 
 
-def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainConfig):
+def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainConfig,
+                label_map: torch.Tensor | None = None):
     """Loss and per-head top-1 on a batch of positions idx [B] -> (loss [], top1 [K]).
 
     The V-wide terms (tokens or kd) use the first ceil(vocab_fraction * B) positions of the
-    (already shuffled) batch; the feature term, when weighted, uses all of them."""
+    (already shuffled) batch; the feature term, when weighted, uses all of them. With a
+    shortlist, lm_head projects onto its V' tokens and label_map [V] takes a token to its
+    index there (IGNORE outside it)."""
     h = pos.hidden[pos.index[idx]].float()  # [B, D]
     labels = pos.labels[idx]  # [B, K]
+    if label_map is not None:
+        labels = torch.where(labels == IGNORE, IGNORE, label_map[labels.clamp(min=0)])
     target_h = pos.hidden[pos.target_index[idx]].float()  # [B, K, D]
     n_vocab = max(1, math.ceil(cfg.vocab_fraction * idx.numel()))
     feats, logits = heads(h, lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
@@ -178,6 +183,21 @@ def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainCon
             term = term + cfg.feature_weight * F.smooth_l1_loss(feats[k][valid].float(), target_h[valid, k])
         loss = loss + cfg.decay**k * term
     return loss, torch.stack(top1)
+
+
+def shortlist_head(lm_head: torch.nn.Module, labels: torch.Tensor, size: int):
+    """A frozen LM head over the `size` most frequent label tokens -> (head [V'] outputs,
+    label_map [V] long: a token's index in the shortlist, IGNORE outside it). The heads'
+    features still meet the full LM head at inference; only the training loss is truncated."""
+    vocab = lm_head.weight.shape[0]
+    freq = torch.bincount(labels[labels != IGNORE], minlength=vocab)
+    keep = freq.topk(min(size, vocab)).indices.sort().values  # [V']
+    head = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=False)
+    head.weight.data = lm_head.weight.data[keep].clone()
+    head.requires_grad_(False)
+    label_map = torch.full((vocab,), IGNORE, dtype=torch.long)
+    label_map[keep] = torch.arange(len(keep))
+    return head, label_map
 
 
 @torch.no_grad()
@@ -262,6 +282,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     lm_head.float().requires_grad_(False)
     del base
     pos = load_positions(train_shards, cfg.num_heads)
+    train_head, label_map = lm_head, None
+    if cfg.train_vocab and not cfg.own_lm_head:
+        train_head, label_map = shortlist_head(lm_head, pos.labels, cfg.train_vocab)
+        if is_main:
+            log.info("vocabulary losses on the %d most frequent label tokens", cfg.train_vocab)
 
     # 2. train
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -304,7 +329,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
             start = (offset * world + rank) * cfg.batch_size
             idx = order[start : start + cfg.batch_size]
             with accelerator.accumulate(heads), accelerator.autocast():
-                loss, top1 = head_losses(heads, lm_head, pos, idx, cfg)
+                loss, top1 = head_losses(heads, train_head, pos, idx, cfg, label_map)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)

@@ -5,12 +5,16 @@ K heads, V vocabulary.
 
 A path is Medusa's notation: (0,) is head 1's top candidate, (0, 2) is head 2's third
 candidate below it. Node 0 is the root: the base model's own next token, already emitted.
-Nodes are ordered by depth, then by path, so every parent comes before its children.
+Head nodes are ordered by depth, then by path, so every parent comes before its children.
+A tree may also carry an n-gram branch: a chain of `ngram_length` nodes under the root, after
+the head nodes, filled each step with tokens copied from the context (prompt lookup).
 """
 
 from __future__ import annotations
 
 import json
+import functools
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,33 +27,48 @@ Path_ = tuple[int, ...]
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Everything derived from one tree's paths, built once and reused every step."""
+    """Everything one verification step needs about a tree, as tensors: built once for a
+    static tree, or per step (by tensor ops only) for a dynamic one."""
 
-    paths: tuple[Path_, ...]  # the non-root nodes' paths, in node order (node i+1 = paths[i])
+    paths: tuple[Path_, ...]  # the head nodes' paths, in node order; empty for a per-step tree
     # [N, N] bool: mask[i, j] is True when node j is node i or one of its ancestors
     mask: torch.Tensor
     # [N] long: 0 for the root, len(path) otherwise
     depth: torch.Tensor
     # [N] long: index of the parent node, -1 for the root
     parent: torch.Tensor
-    # [N - 1] long: for node i+1, the index into a head top-k table flattened [K * topk]
+    # [N - 1] long: for node i+1, the index into the flat candidate table: the heads' top-k
+    # [max_depth * topk], then the n-gram tokens [ngram_length]
     candidate_index: torch.Tensor
     # [P, L] long: node indices of every root-to-leaf path, root first, padded with -1
     retrieve: torch.Tensor
-    children: tuple[tuple[int, ...], ...]  # children[i]: node indices below node i, by rank
-    topk: int  # candidates needed per head (largest rank + 1)
+    topk: int  # candidates read per head (largest rank + 1)
+    max_depth: int  # heads the tree reads (its deepest head node)
+    ngram_length: int = 0  # nodes of the n-gram chain under the root (the last nodes)
 
     @property
     def num_nodes(self) -> int:
-        return len(self.paths) + 1
+        return self.depth.shape[0]
 
     @property
-    def max_depth(self) -> int:
-        return max((len(p) for p in self.paths), default=0)
+    def depth_limit(self) -> int:
+        """Deepest node, head or n-gram."""
+        return max(self.max_depth, self.ngram_length)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[i]: node indices below node i, in node (rank) order. Python lists, for the
+        node-by-node walk of rejection sampling; one host read, on first use."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parent.tolist()):
+            if p >= 0:
+                out[p].append(i)
+        return tuple(tuple(c) for c in out)
 
     def to(self, device: torch.device | str) -> TreeBuffers:
         moved = {k: getattr(self, k).to(device) for k in ("mask", "depth", "parent", "candidate_index", "retrieve")}
-        return TreeBuffers(paths=self.paths, children=self.children, topk=self.topk, **moved)
+        return TreeBuffers(paths=self.paths, topk=self.topk, max_depth=self.max_depth,
+                           ngram_length=self.ngram_length, **moved)
 
 
 def validate_paths(paths) -> tuple[Path_, ...]:
@@ -68,45 +87,129 @@ def validate_paths(paths) -> tuple[Path_, ...]:
     return tuple(sorted(out, key=lambda p: (len(p), p)))
 
 
-def build_tree(paths=DEFAULT_TREE) -> TreeBuffers:
-    """paths -> TreeBuffers. An empty list gives the one-node tree of plain decoding."""
+def build_tree(paths=DEFAULT_TREE, ngram_length: int = 0) -> TreeBuffers:
+    """paths -> TreeBuffers. An empty list gives the one-node tree of plain decoding; with
+    ngram_length > 0 a chain of that many n-gram nodes hangs under the root as well."""
     paths = validate_paths(paths)
-    n = len(paths) + 1
+    if ngram_length < 0:
+        raise MedusaError(f"ngram_length must be >= 0, got {ngram_length}")
+    heads_n = len(paths) + 1
+    n = heads_n + ngram_length
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     topk = max((p[-1] for p in paths), default=-1) + 1
+    max_depth = max((len(p) for p in paths), default=0)
 
     mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True  # every node sees the root
     depth = torch.zeros(n, dtype=torch.long)
     parent = torch.full((n,), -1, dtype=torch.long)
     candidate_index = torch.zeros(n - 1, dtype=torch.long)
-    children: list[list[int]] = [[] for _ in range(n)]
     for p in paths:
         i = index[p]
         depth[i] = len(p)
         parent[i] = index[p[:-1]]
         candidate_index[i - 1] = (len(p) - 1) * topk + p[-1]
-        children[parent[i]].append(i)
-        for k in range(len(p)):
+        for k in range(1, len(p)):
             mask[i, index[p[:k]]] = True
-
-    leaves = [p for p in ((),) + paths if not children[index[p]]]
-    longest = max(len(p) for p in leaves) + 1
-    retrieve = torch.full((len(leaves), longest), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        for k in range(len(leaf) + 1):
-            retrieve[row, k] = index[leaf[:k]]
+    for j in range(ngram_length):  # the n-gram chain: node heads_n + j at depth j + 1
+        i = heads_n + j
+        depth[i] = j + 1
+        parent[i] = i - 1 if j else 0
+        candidate_index[i - 1] = max_depth * max(topk, 0) + j
+        mask[i, heads_n:i] = True
     return TreeBuffers(
         paths=paths, mask=mask, depth=depth, parent=parent, candidate_index=candidate_index,
-        retrieve=retrieve, children=tuple(tuple(c) for c in children), topk=max(topk, 0),
+        retrieve=root_paths(mask, depth, parent), topk=max(topk, 0), max_depth=max_depth,
+        ngram_length=ngram_length,
     )
 
 
-def tree_tokens(tree: TreeBuffers, root: torch.Tensor, head_topk: torch.Tensor) -> torch.Tensor:
-    """The tokens of every node: root [] long, head_topk [K, topk] long -> tokens [N] long."""
-    if tree.num_nodes == 1:
+def root_paths(mask: torch.Tensor, depth: torch.Tensor, parent: torch.Tensor, longest: int | None = None) -> torch.Tensor:
+    """mask [N, N], depth [N], parent [N] -> retrieve [P, L]: the root-to-leaf paths, root first,
+    padded with -1; tensor ops only. A leaf is a node that is no node's parent; its path is
+    its ancestors (its mask row), ordered by depth."""
+    n = depth.shape[0]
+    is_parent = torch.zeros(n, dtype=torch.bool, device=depth.device)
+    is_parent[parent[1:]] = True
+    leaves = (~is_parent).nonzero()[:, 0]  # [P]
+    if longest is None:
+        longest = int(depth.max()) + 1 if n > 1 else 1
+    rows = mask[leaves]  # [P, N]: ancestors of each leaf, itself included
+    # place each ancestor at its depth: node j of leaf row r goes to column depth[j]
+    retrieve = torch.full((len(leaves), longest), -1, dtype=torch.long, device=depth.device)
+    r, j = rows.nonzero(as_tuple=True)
+    retrieve[r, depth[j]] = j
+    return retrieve
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """Per-step trees (EAGLE-2's rule on Medusa heads): of every path of ranks < width up to
+    `depth` heads (the universe), keep the `budget - 1` of highest joint head probability, the
+    product of the heads' probabilities along the path. A child never scores above its parent,
+    so the kept set is a tree. Selection and the new mask, depths and paths are tensor ops."""
+
+    universe: TreeBuffers  # every path, plus an n-gram chain when ngram_length > 0
+    budget: int  # nodes kept from the head paths, root included (the chain comes on top)
+    # [U - 1, depth] long: index into the heads' log-probs [depth * width] along each universe
+    # node's path, padded with the index of a zero column
+    gather: torch.Tensor
+
+    def to(self, device) -> DynamicTree:
+        return DynamicTree(self.universe.to(device), self.budget, self.gather.to(device))
+
+
+def dynamic_tree(width: int, depth: int, budget: int, ngram_length: int = 0) -> DynamicTree:
+    """The universe of width**1 + ... + width**depth paths and its gather table."""
+    if width < 1 or depth < 1 or budget < 2:
+        raise MedusaError("a dynamic tree needs width >= 1, depth >= 1 and a budget of at least 2 nodes")
+    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+    universe = build_tree(paths, ngram_length)
+    pad = depth * width  # a column of zeros appended to the flattened log-probs
+    gather = torch.full((len(paths), depth), pad, dtype=torch.long)
+    for i, p in enumerate(universe.paths):
+        for d, r in enumerate(p):
+            gather[i, d] = d * width + r
+    return DynamicTree(universe=universe, budget=min(budget, len(paths) + 1), gather=gather)
+
+
+def select_tree(dyn: DynamicTree, log_probs: torch.Tensor, with_ngram: bool) -> TreeBuffers:
+    """log_probs [depth, width]: the heads' top-`width` log-probabilities -> this step's tree.
+    with_ngram keeps the universe's n-gram chain (its nodes come last)."""
+    u = dyn.universe
+    heads_n = u.num_nodes - u.ngram_length
+    flat = torch.cat([log_probs.reshape(-1).float(), log_probs.new_zeros(1, dtype=torch.float32)])
+    score = flat[dyn.gather].sum(-1)  # [U - 1] joint log-probability of each path
+    score = score - 1e-4 * u.depth[1:heads_n].to(score.dtype)  # ties go to the shallower node
+    keep = score.topk(dyn.budget - 1).indices.sort().values + 1  # [N - 1], parents first
+    parts = [keep.new_zeros(1), keep]
+    if with_ngram and u.ngram_length:
+        parts.append(torch.arange(heads_n, u.num_nodes, device=keep.device))
+    nodes = torch.cat(parts)  # [N] universe indices, in universe order
+    remap = torch.full((u.num_nodes + 1,), -1, dtype=torch.long, device=keep.device)
+    remap[nodes] = torch.arange(len(nodes), device=keep.device)
+    mask = u.mask[nodes][:, nodes]
+    depth = u.depth[nodes]
+    parent = remap[u.parent[nodes]]  # the root's -1 reads remap[-1], which stays -1
+    return TreeBuffers(
+        paths=(), mask=mask, depth=depth, parent=parent, candidate_index=u.candidate_index[nodes[1:] - 1],
+        retrieve=root_paths(mask, depth, parent, longest=u.depth_limit + 1), topk=u.topk,
+        max_depth=u.max_depth, ngram_length=u.ngram_length if with_ngram else 0,
+    )
+
+
+def tree_tokens(tree: TreeBuffers, root: torch.Tensor, head_topk: torch.Tensor | None,
+                ngram: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens of every node: root [] long, head_topk [K, topk] long (None without head
+    nodes), ngram [ngram_length] long (with an n-gram chain) -> tokens [N] long."""
+    parts = []
+    if tree.max_depth:
+        parts.append(head_topk[: tree.max_depth, : tree.topk].reshape(-1))
+    if tree.ngram_length:
+        parts.append(ngram)
+    if not parts:
         return root.reshape(1)
-    flat = head_topk[: tree.max_depth, : tree.topk].reshape(-1)
-    return torch.cat([root.reshape(1), flat[tree.candidate_index]])
+    return torch.cat([root.reshape(1), torch.cat(parts)[tree.candidate_index]])
 
 
 def load_tree_file(path: str | Path) -> tuple[Path_, ...]:

@@ -1,0 +1,200 @@
+"""Fit the tree to the heads and the hardware.
+
+Glossary: K heads, R ranks measured per head (10), n tree nodes (root included).
+
+1. accuracy: how often rank r of head k is the token the base model emits k+1 steps later,
+   on the base model's own greedy answers to calibration prompts (Medusa's measurement);
+2. latency: t(n) / t(1), the cost of verifying n tokens at once on this device and dtype;
+3. trees: for every size, the tree that maximises the expected accepted length, by greedy
+   expansion on the product of accuracies along a path (Medusa's method). Greedy expansion
+   is optimal here: a path's score never exceeds its parent's, so the best frontier node is
+   always addable, and the n best paths form a tree. Sequoia's dynamic program earns its
+   cost only with position-dependent acceptance, which these marginal accuracies do not have;
+4. choose n maximising expected accepted length / cost and save it with the whole curve.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cache import new_cache
+from .decode import forward, tree_bias
+from .tree import build_tree
+
+RANKS = 10
+SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass
+class Calibration:
+    # [K, R] accuracy[k][r]: P(rank r of head k+1 is the token emitted k+2 steps later)
+    accuracy: list[list[float]]
+    # verification latency relative to one token, by tree size
+    latency: dict[int, float]
+    heads_cost: float  # the heads' time per step, relative to a one-token step
+    curve: list[dict] = field(default_factory=list)  # n, paths, expected tau, cost, speed-up
+    best: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"paths": self.best["paths"], "best": {k: v for k, v in self.best.items() if k != "paths"},
+                "accuracy": self.accuracy, "latency": self.latency, "heads_cost": self.heads_cost,
+                "curve": [{k: v for k, v in c.items() if k != "paths"} for c in self.curve]}
+
+
+@torch.no_grad()
+def head_accuracy(model, heads, sequences: list[tuple[int, torch.Tensor]], ranks: int = RANKS) -> list[list[float]]:
+    """sequences: (prompt_len, ids [T]) of prompts followed by the base model's greedy answer.
+    One forward per sequence gives every position's hidden state; head k at position t is
+    scored against token t+k+1 (the answer's tokens only)."""
+    k_heads = heads.num_heads
+    hits = torch.zeros(k_heads, ranks)
+    count = torch.zeros(k_heads)
+    lm_head = model.get_output_embeddings()
+    for prompt_len, ids in sequences:
+        hidden = model.get_decoder()(input_ids=ids[None].to(model.device)).last_hidden_state[0]  # [T, D]
+        top = heads(hidden[prompt_len - 1 :], lm_head).topk(ranks, dim=-1).indices.cpu()  # [K, T', R]
+        for k in range(k_heads):
+            target = ids[prompt_len + k + 1 :]  # head k+1 at position t guesses token t+k+2
+            guesses = top[k, : len(target)]  # [T'', R]
+            hits[k] += (guesses == target[:, None]).float().sum(0)
+            count[k] += len(target)
+    return (hits / count.clamp(min=1)[:, None]).tolist()
+
+
+def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """Greedy expansion: the max_nodes - 1 paths of highest joint accuracy, in the order added,
+    each with its score (the probability the path is accepted under independence)."""
+    k_heads, ranks = len(accuracy), len(accuracy[0])
+    frontier = [(-accuracy[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(frontier)
+    chosen = []
+    while frontier and len(chosen) < max_nodes - 1:
+        neg, path = heapq.heappop(frontier)
+        chosen.append((path, -neg))
+        if len(path) < k_heads:
+            for r in range(ranks):
+                heapq.heappush(frontier, (neg * accuracy[len(path)][r], path + (r,)))
+    return chosen
+
+
+@torch.no_grad()
+def verify_latency(model, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) -> dict[int, float]:
+    """t(n) / t(1): median wall time of one verification forward of n tree tokens after a
+    prefix of prefix_len cached tokens, sizes interleaved so drift hits all alike."""
+    device = model.device
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (1, prefix_len), device=device)
+    cache = new_cache(model)
+    forward(model, prompt, torch.arange(prefix_len, device=device)[None], None, cache)
+    chain = {n: build_tree([(0,) * d for d in range(1, n)]) if n > 1 else build_tree([]) for n in sizes}
+    masks = {n: torch.cat([torch.zeros(n, prefix_len, dtype=model.dtype, device=device),
+                           tree_bias(t, model.dtype, device)], 1)[None, None] for n, t in chain.items()}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(repeats + 1):
+        for n in sizes:
+            tokens = torch.randint(0, vocab, (1, n), device=device)
+            positions = (prefix_len + torch.arange(n, device=device))[None]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            forward(model, tokens, positions, masks[n], cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep:  # the first round warms up
+                times[n].append(time.perf_counter() - t0)
+            cache.crop(-n)
+    base = statistics.median(times[1])
+    return {n: statistics.median(times[n]) / base for n in sizes}
+
+
+@torch.no_grad()
+def heads_latency(model, heads, repeats: int = 20) -> float:
+    """The heads' time per step (top-k of every head at one position), relative to a one-token
+    verification forward; measured, because on a CPU the heads' vocabulary projections are
+    a visible part of a step."""
+    hidden = torch.randn(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
+    lm_head = model.get_output_embeddings()
+    cache = new_cache(model)
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    t_heads, t_step = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        heads(hidden, lm_head).topk(RANKS, dim=-1)
+        t1 = time.perf_counter()
+        forward(model, token, torch.zeros(1, 1, dtype=torch.long, device=model.device), None, cache)
+        t2 = time.perf_counter()
+        cache.crop(-1)
+        t_heads.append(t1 - t0)
+        t_step.append(t2 - t1)
+    return statistics.median(t_heads) / statistics.median(t_step)
+
+
+def interpolate(latency: dict[int, float], n: int) -> float:
+    sizes = sorted(latency)
+    if n <= sizes[0]:
+        return latency[sizes[0]]
+    for a, b in zip(sizes, sizes[1:]):
+        if a <= n <= b:
+            return latency[a] + (latency[b] - latency[a]) * (n - a) / (b - a)
+    return latency[sizes[-1]] * n / sizes[-1]
+
+
+def fit(accuracy, latency: dict[int, float], heads_cost: float) -> Calibration:
+    """Expected tau, cost and speed-up for every tree size; the best one is kept."""
+    chosen = best_trees(accuracy, max(latency))
+    curve = []
+    for n in sorted(latency):
+        paths = [p for p, _ in chosen[: n - 1]]
+        tau = 1.0 + sum(score for _, score in chosen[: n - 1])
+        cost = interpolate(latency, n) + (heads_cost if n > 1 else 0.0)
+        curve.append({"n": n, "paths": paths, "expected_tau": tau, "cost": cost, "expected_speedup": tau / cost})
+    best = max(curve, key=lambda c: c["expected_speedup"])
+    return Calibration(accuracy=accuracy, latency=latency, heads_cost=heads_cost, curve=curve, best=best)
+
+
+def save(calibration: Calibration, out: Path) -> None:
+    out.write_text(json.dumps(calibration.to_json(), indent=1) + "\n")
+
+
+def calibration_prompts(path: Path | None, limit: int) -> list[str]:
+    """First user turns: from a JSONL file (Spec-Bench's "turns", or "prompt"), or by default
+    from held-out ShareGPT conversations (never the benchmark's own questions)."""
+    from collections import Counter
+
+    from .config import MedusaError
+    from .data import conversations
+
+    if path is None:
+        counts: Counter = Counter()
+        texts = []
+        for _, messages in conversations("sharegpt", counts, split="eval"):
+            first = next(m["content"] for m in messages if m["role"] == "user")
+            if first.strip() and len(first) < 2000:
+                texts.append(first)
+            if len(texts) == limit:
+                break
+        return texts
+    if not Path(path).is_file():
+        raise MedusaError(f"prompts file {path} does not exist")
+    texts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            text = record["turns"][0] if "turns" in record else record["prompt"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise MedusaError(f"{path}:{n}: expected a JSON object with 'turns' or 'prompt'") from None
+        texts.append(text)
+        if len(texts) == limit:
+            break
+    if not texts:
+        raise MedusaError(f"{path} holds no prompts")
+    return texts

@@ -1,0 +1,38 @@
+"""Drafts that do not come from the heads: n-grams copied from the context.
+
+Glossary: T context length, L n-gram branch length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .config import NgramConfig
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+
+    def __init__(self, config: NgramConfig):
+        self.config = config
+
+    def propose(self, context: np.ndarray) -> np.ndarray | None:
+        """context [T] int64 (prompt and emitted tokens, the root last) -> tokens [<= L] or None."""
+        cfg = self.config
+        for n in range(min(cfg.max_ngram, len(context) - 1), cfg.min_ngram - 1, -1):
+            windows = sliding_window_view(context[:-1], n)  # [T-n, n]: every earlier n-gram
+            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+            if hits.size:
+                start = hits[-1] + n
+                return context[start : start + cfg.length]
+        return None
+
+    def padded(self, proposal: np.ndarray, device) -> torch.Tensor:
+        """tokens [<= L] -> [L] long: short proposals repeat their last token (a wrong guess
+        is simply rejected; the verification decides)."""
+        out = np.full(self.config.length, proposal[-1], dtype=np.int64)
+        out[: len(proposal)] = proposal
+        return torch.from_numpy(out).to(device)
