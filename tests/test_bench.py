@@ -50,13 +50,13 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     folder, heads, data = setup
     out = tmp_path / "out"
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
-                               data / "prompts.jsonl", "--methods", "plain,medusa,hf", "--max-new-tokens", "8",
+                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram", "--max-new-tokens", "8",
                                "--dtype", "float32", "--device", "cpu", "--out", out)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["methods"] == ["plain", "medusa", "hf"]
+    assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram"]
     assert results["categories"] == ["writing", "coding"]
-    assert len(results["records"]) == 2 * 3
+    assert len(results["records"]) == 2 * 5
     writing = next(r for r in results["records"] if r["prompt"] == "1" and r["method"] == "medusa")
     assert len(writing["token_ids"]) == 2  # both turns asked
     overall = results["summary"]["overall"]
@@ -64,7 +64,8 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     assert overall["medusa"]["mean_accepted_length"] >= 1.0 and len(overall["medusa"]["acceptance_per_depth"]) == 3
     assert overall["medusa"]["speedup_vs_plain"]["median"] > 0 and overall["hf"]["speedup_vs_plain"]["median"] > 0
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
-    assert results["identity"]["medusa"] == {"compared": 2, "differ": 0, "first": None}
+    for method in ("medusa", "dynamic", "medusa+ngram"):
+        assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None}
     assert results["identity"]["hf"]["compared"] == 2
     assert results["machine"]["dtype"] == "float32" and "bench" in results["machine"]["command"]
     report = (out / "report.md").read_text()
@@ -79,13 +80,13 @@ def test_bench_trees_pld_repeats_sampling(capsys, monkeypatch, setup, tmp_path):
     folder, heads, data = setup
     out = tmp_path / "out"
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
-                               data / "prompts.jsonl", "--methods", "plain,medusa,hf-pld", "--tree", data / "small.json",
+                               data / "prompts.jsonl", "--methods", "plain,medusa,hf-pld,dynamic+ngram,plain+ngram", "--tree", data / "small.json",
                                "--tree", data / "deep.json", "--turns", "1", "--limit", "1", "--repeats", "2",
                                "--temperature", "0.8", "-n", "6", "--dtype", "float32", "--device", "cpu", "--out", out)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["methods"] == ["plain", "medusa:small", "medusa:deep", "hf-pld"]
-    assert len(results["records"]) == 2 * 2 * 4 and all(len(r["token_ids"]) == 1 for r in results["records"])
+    assert results["methods"] == ["plain", "medusa:small", "medusa:deep", "hf-pld", "dynamic+ngram", "plain+ngram"]
+    assert len(results["records"]) == 2 * 2 * 6 and all(len(r["token_ids"]) == 1 for r in results["records"])
     assert "skipped" in results["identity"]["medusa:small"] and "identity vs plain: skipped" in stdout
     assert len(results["summary"]["overall"]["medusa:deep"]["acceptance_per_depth"]) == 3
     assert (out / "accepted_medusa-small.png").read_bytes()[:8] == PNG
@@ -166,7 +167,7 @@ def test_humaneval_prompts_only():
     (["--repeats", "0"], "repeats must be >= 1"),
     (["--turns", "0"], "turns must be >= 1"),
     (["-n", "0"], "max_new_tokens must be >= 1"),
-    (["--methods", "plain,medusa", "--no-heads"], "method medusa needs --heads"),
+    (["--methods", "plain,medusa", "--no-heads"], "medusa need --heads"),
     (["--tree", "/no/such/tree.json"], "tree file"),
     (["--methods", "plain", "--tree", "SMALL"], "--tree files are for method medusa"),
     (["--suite", "spec-bench", "--spec-bench-env"], "does not exist"),

@@ -37,7 +37,8 @@ from .config import DEFAULT_MODEL, GenerationConfig, MedusaError, SamplingConfig
 log = logging.getLogger(__name__)
 
 SUITES = ("spec-bench", "humaneval", "sharegpt")
-METHOD_KINDS = ("plain", "medusa", "hf", "hf-pld")
+METHOD_KINDS = ("plain", "medusa", "dynamic", "hf", "hf-pld")
+NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
 DEFAULT_METHODS = "plain,medusa,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
@@ -63,6 +64,8 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "auto"
     out: str | None = None  # None: bench_out/<timestamp>
+    ngram_length: int = 8  # tokens of the n-gram branch of "+ngram" methods
+    tree_budget: int = 16  # nodes of the "dynamic" method's tree
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -76,10 +79,19 @@ class BenchConfig:
         GenerationConfig(max_new_tokens=self.max_new_tokens)
         SamplingConfig(temperature=self.temperature)
         for kind in self.method_kinds:
-            if kind not in METHOD_KINDS:
-                raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}")
-        if self.trees and "medusa" not in self.method_kinds:
+            base, plus, suffix = kind.partition("+")
+            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf"))):
+                raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
+                                  f"plain/medusa/dynamic optionally with {NGRAM}")
+        if self.ngram_length < 1 or self.tree_budget < 2:
+            raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
+        if self.trees and "medusa" not in self.head_kinds:
             raise MedusaError("--tree files are for method medusa; add medusa to --methods")
+
+    @property
+    def head_kinds(self) -> set[str]:
+        """The method kinds without their +ngram suffix."""
+        return {k.partition("+")[0] for k in self.method_kinds}
 
     @property
     def method_kinds(self) -> list[str]:
@@ -265,7 +277,8 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
 
 def build_methods(cfg: BenchConfig):
     """Load the base (and heads) once -> (a MedusaModel, {method name: Generate})."""
-    from .engine import MedusaModel, shipped_heads
+    from .config import NgramConfig
+    from .engine import DYNAMIC, MedusaModel, shipped_heads
     from .models import BUILTIN_MODELS
     from .tree import load_tree_file
 
@@ -276,25 +289,35 @@ def build_methods(cfg: BenchConfig):
     if len(set(stems)) < len(stems):
         raise MedusaError("two --tree files share a name; methods are named medusa:<file stem>")
     heads = cfg.heads
-    if heads is None and "medusa" in kinds and cfg.model in BUILTIN_MODELS:  # shipped_heads(a path) misfires
+    with_heads = {"medusa", "dynamic"} & cfg.head_kinds
+    if heads is None and with_heads and cfg.model in BUILTIN_MODELS:
         heads = shipped_heads(cfg.model)
-    if "medusa" in kinds and heads is None:
+    if with_heads and heads is None:
         if cfg.methods is not None:
-            raise MedusaError(f"method medusa needs --heads: no heads are shipped for {cfg.model!r}")
+            raise MedusaError(f"methods {', '.join(sorted(with_heads))} need --heads: none are shipped for {cfg.model!r}")
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
-        kinds = [k for k in kinds if k != "medusa"]
-    base = MedusaModel.from_pretrained(cfg.model, heads=heads if "medusa" in kinds else None,
-                                       dtype=cfg.dtype, device=cfg.device)
+        kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
+    base = MedusaModel.from_pretrained(cfg.model, heads=heads if with_heads else None,
+                                       dtype=cfg.dtype, device=cfg.device, tree_budget=cfg.tree_budget)
+    ngram = NgramConfig(length=cfg.ngram_length)
     methods: dict[str, Generate] = {}
     for kind in kinds:
-        if kind == "plain":
+        name, plus, _ = kind.partition("+")
+        variant = dict(name=base.name, ngram=ngram if plus else None, tree_budget=cfg.tree_budget)
+        if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)
-        elif kind == "medusa" and not cfg.trees:
-            methods["medusa"] = engine_method(base, True, cfg.temperature)
-        elif kind == "medusa":
+        elif name == "plain":  # prompt lookup alone, in our engine
+            methods[kind] = engine_method(MedusaModel(base.base, base.tokenizer, **variant), True, cfg.temperature)
+        elif name == "dynamic":
+            model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=DYNAMIC, **variant)
+            methods[kind] = engine_method(model, True, cfg.temperature)
+        elif name == "medusa" and not cfg.trees:
+            model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=base.tree, **variant)
+            methods[kind] = engine_method(model, True, cfg.temperature)
+        elif name == "medusa":
             for tree, stem in zip(cfg.trees, stems):
-                model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=tree, name=base.name)
-                methods[f"medusa:{stem}"] = engine_method(model, True, cfg.temperature)
+                model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=tree, **variant)
+                methods[f"medusa:{stem}{plus and NGRAM}"] = engine_method(model, True, cfg.temperature)
         else:
             methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
     return base, methods
@@ -474,7 +497,7 @@ def write_plots(folder: Path, results: dict) -> list[str]:
         written.append("speedup.png")
     for m in results["methods"]:
         hist = summary["overall"][m].get("accepted_length_hist")
-        if not m.startswith("medusa") or not hist:
+        if m in (REFERENCE, BASELINE, "hf-pld") or not hist:
             continue
         fig = Figure(figsize=(5, 3.5))
         FigureCanvasAgg(fig)

@@ -28,8 +28,8 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def load_model(model: str, heads: Optional[Path], tree: Optional[Path], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0):
+def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
+               ngram: int = 0, tree_budget: int = 16):
     from .engine import MedusaModel, shipped_heads
 
     if no_medusa:
@@ -43,7 +43,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[Path], dtype: s
     from .config import NgramConfig
 
     return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
-                                       ngram=NgramConfig(length=ngram) if ngram else None)
+                                       ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget)
 
 
 @app.callback()
@@ -57,7 +57,8 @@ def generate(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap the prompt in the model's chat template (default: when it has one)."),
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
-    tree: Optional[Path] = typer.Option(None, "--tree", help="Tree JSON file (list of paths); default: calibrated or built-in tree."),
+    tree: Optional[str] = typer.Option(None, "--tree", help="Tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one."),
+    tree_budget: int = typer.Option(16, "--tree-budget", help="Nodes of a dynamic tree, root included."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -80,13 +81,16 @@ def generate(
     SamplingConfig(**sampling)
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram)
+    if tree_budget < 2:
+        fail(f"--tree-budget must be >= 2, got {tree_budget}")
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    parts = [f"medusa ({m.tree.num_nodes}-node tree)"] if m.heads is not None else []
+    shape = f"dynamic {m.tree.budget}-node tree" if hasattr(m.tree, "budget") else f"{m.tree.num_nodes}-node tree"
+    parts = [f"medusa ({shape})"] if m.heads is not None else []
     parts += [f"{m.ngram.length}-token n-gram branch"] if m.ngram and not no_medusa else []
     method = " + ".join(parts) or "plain"
     typer.echo(f"[{method}] {stream.stats.summary()}", err=True)
@@ -232,7 +236,9 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, hf, hf-pld (default: all; medusa only with heads)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, dynamic, hf, hf-pld; plain/medusa/dynamic+ngram add an n-gram branch (default: plain,medusa,hf,hf-pld; medusa only with heads)."),
+    ngram: int = typer.Option(8, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
+    tree_budget: int = typer.Option(16, "--tree-budget", help="Nodes of the dynamic tree."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
     limit: Optional[int] = typer.Option(None, "--limit", help="First N prompts of each category."),
     turns: Optional[int] = typer.Option(None, "--turns", help="Turns per prompt (default: all; 1: first turns only)."),
@@ -251,6 +257,7 @@ def bench(
         model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,
         methods=methods, trees=[str(t) for t in tree], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
+        ngram_length=ngram, tree_budget=tree_budget,
     )
     run_bench(cfg)
 

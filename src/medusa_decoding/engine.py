@@ -20,9 +20,11 @@ from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, 
 from .decode import GenerationStats, decode
 from .heads import MedusaHeads
 from .models import load_base
-from .tree import TreeBuffers, build_tree, load_tree_file, validate_paths
+from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, validate_paths
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
+DYNAMIC = "dynamic"  # tree= this: a tree re-selected every step from the heads' probabilities
+DYNAMIC_WIDTH, DYNAMIC_DEPTH = 4, 4  # its universe: ranks < 4 of up to 4 heads (340 paths)
 
 
 def shipped_heads(alias: str) -> Path | None:
@@ -96,8 +98,9 @@ class MedusaModel:
     """A base causal LM, optional Medusa heads, a candidate tree, an optional n-gram branch."""
 
     def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = "",
-                 ngram: NgramConfig | bool | None = None):
+                 ngram: NgramConfig | bool | None = None, tree_budget: int = 16):
         self.base = base
+        self.tree_budget = tree_budget
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.tokenizer = tokenizer
         self.name = name or base.config.name_or_path
@@ -115,10 +118,16 @@ class MedusaModel:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
-    def _fit_tree(self, tree) -> TreeBuffers:
+    def _fit_tree(self, tree) -> TreeBuffers | DynamicTree:
         k = self.heads.num_heads
         if tree is None:  # the default tree, cut to the heads available
             return build_tree([p for p in DEFAULT_TREE if len(p) <= k])
+        if isinstance(tree, DynamicTree):
+            if tree.universe.max_depth > k:
+                raise MedusaError(f"the dynamic tree reads {tree.universe.max_depth} heads but there are only {k}")
+            return tree
+        if tree == DYNAMIC:
+            return dynamic_tree(DYNAMIC_WIDTH, min(k, DYNAMIC_DEPTH), self.tree_budget)
         paths = tree.paths if isinstance(tree, TreeBuffers) else (
             load_tree_file(tree) if isinstance(tree, (str, Path)) else validate_paths(tree)
         )
@@ -137,6 +146,7 @@ class MedusaModel:
         base: str = DEFAULT_MODEL,
         heads: str | Path | MedusaHeads | None = None,
         tree: str | Path | Sequence[Sequence[int]] | None = None,
+        tree_budget: int = 16,
         dtype: str = "auto",
         device: str = "auto",
         attn_implementation: str = "sdpa",
@@ -146,8 +156,9 @@ class MedusaModel:
 
         heads: None for plain decoding, a folder, a MedusaHeads, or "shipped" for the heads the
         package ships for a built-in model. tree: paths or a JSON file; by default the heads'
-        calibrated tree.json when present, else the built-in default tree. ngram: True (or an
-        NgramConfig) adds a prompt-lookup branch to every tree.
+        calibrated tree.json when present, else the built-in default tree; "dynamic" re-selects
+        the tree_budget most probable nodes every step. ngram: True (or an NgramConfig) adds a
+        prompt-lookup branch to every tree.
         """
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if heads == "shipped":
@@ -159,7 +170,7 @@ class MedusaModel:
             heads = MedusaHeads.from_pretrained(folder)
             if tree is None and (folder / TREE_NAME).is_file():
                 tree = folder / TREE_NAME
-        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram)
+        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget)
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
         """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""
