@@ -69,6 +69,20 @@ def random_heads(model, num_heads: int = 4, seed: int = 0, scale: float = 0.5) -
     return heads.eval()
 
 
+def save_tiny(tmp_path_factory, max_positions: int = 256, with_heads: bool = True):
+    """A tiny model + byte tokenizer saved as a Hugging Face folder, and random heads for it
+    -> (model folder, heads folder or None)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(max_positions=max_positions)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    if not with_heads:
+        return folder, None
+    heads = tmp_path_factory.mktemp("heads")
+    random_heads(model).save_pretrained(heads)
+    return folder, heads
+
+
 @pytest.fixture(scope="session")
 def model():
     return tiny_llama()

@@ -12,7 +12,7 @@ from medusa_decoding.bench import (
     summarize,
 )
 
-from conftest import byte_tokenizer, random_heads, tiny_llama
+from conftest import save_tiny
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROMPTS = [
@@ -23,12 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    model = tiny_llama(max_positions=256)
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    heads = tmp_path_factory.mktemp("heads")
-    random_heads(model).save_pretrained(heads)
+    folder, heads = save_tiny(tmp_path_factory)
     data = tmp_path_factory.mktemp("data")
     prompts = data / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n{not json\n")

@@ -7,17 +7,12 @@ import pytest
 from medusa_decoding import cli
 from medusa_decoding.heads import MedusaHeads
 
-from conftest import byte_tokenizer, random_heads, tiny_llama
+from conftest import save_tiny, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    model = tiny_llama(max_positions=64)
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    heads = tmp_path_factory.mktemp("heads")
-    random_heads(model).save_pretrained(heads)
+    folder, heads = save_tiny(tmp_path_factory, max_positions=64)
     bad_heads = tmp_path_factory.mktemp("bad_heads")
     MedusaHeads.for_base(tiny_llama(vocab=320)).save_pretrained(bad_heads)
     return folder, heads, bad_heads

@@ -15,15 +15,12 @@ from medusa_decoding.config import MedusaError, TrainConfig
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.train import IGNORE, Positions, head_losses, load_positions, train
 
-from conftest import byte_tokenizer, tiny_llama
+from conftest import save_tiny
 
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_base")
-    tiny_llama(max_positions=256).save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory, with_heads=False)[0]
 
 
 def counting_data(path: Path, n: int = 120, seed: int = 0) -> Path:
