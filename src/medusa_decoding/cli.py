@@ -118,6 +118,36 @@ def distill_data(
 
 
 @app.command()
+def serve(
+    model: str = ModelOpt,
+    heads: Optional[Path] = HeadsOpt,
+    tree: Optional[str] = typer.Option(None, "--tree", help="Tree JSON file (list of paths); default: the heads' calibrated tree, else the built-in one."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
+    port: int = typer.Option(8000, "--port"),
+    max_batch_size: int = typer.Option(8, "--max-batch-size", help="Sequences decoded together; more requests wait in a queue."),
+    max_tree_batch: Optional[int] = typer.Option(None, "--max-tree-batch", help="Above this many active sequences, steps verify no tree (plain batched decoding); default: always the tree."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batched Medusa decoding."""
+    if max_batch_size < 1:
+        fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    if max_tree_batch is not None and max_tree_batch < 0:
+        fail(f"--max-tree-batch must be >= 0, got {max_tree_batch}")
+    if not 0 < port < 65536:
+        fail(f"--port must be in 1..65535, got {port}")
+    if tree == "dynamic":
+        fail("the server runs one static tree for the whole batch; pass a tree JSON file or no --tree")
+    try:
+        from .server import serve as run_server
+    except ImportError as e:
+        fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
+    m = load_model(model, heads, tree, dtype, device, no_medusa)
+    run_server(m, host=host, port=port, max_batch_size=max_batch_size, max_tree_batch=max_tree_batch)
+
+
+@app.command()
 def calibrate(
     heads: Path = typer.Option(..., "--heads", help="Heads folder; the tree is saved there as tree.json unless --out."),
     model: str = ModelOpt,

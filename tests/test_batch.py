@@ -1,0 +1,243 @@
+"""Batched decoding: every sequence of a batch gets exactly what it gets decoded alone (fp32)."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_decoding.batch import BatchDecoder, BatchRequest
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, MedusaError, SamplingConfig
+from medusa_decoding.decode import GenerationStats, decode
+from medusa_decoding.tree import build_tree
+
+from conftest import EOS, random_heads, tiny_llama
+
+TREE = build_tree(DEFAULT_TREE)
+
+
+def prompts(n, seed=0, lo=1, hi=30):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(model, prompt, max_new_tokens, heads=None, eos=(EOS,), sampling=None, ignore_eos=False):
+    """Reference: decode.decode on one prompt."""
+    out = []
+    for chunk in decode(model, torch.tensor([prompt]), heads, TREE,
+                        GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos),
+                        sampling or SamplingConfig(), set(eos), GenerationStats()):
+        out += chunk
+    return out
+
+
+def request(prompt, max_new_tokens, eos=None, ignore_eos=False, **sampling):
+    return BatchRequest(torch.tensor(prompt), GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                                                               ignore_eos=ignore_eos), SamplingConfig(**sampling))
+
+
+class OracleHeads(nn.Module):
+    """Heads that are often right, for many sequences at once: each hidden state is matched to
+    the nearest position of known plain-greedy runs, and the true future token is put first
+    with probability `hit`. hidden [D] or [B, D] -> logits [K, V] or [K, B, V]."""
+
+    def __init__(self, model, runs, num_heads=4, hit=0.7, seed=0):
+        super().__init__()
+        hidden, future = [], []
+        for prompt, continuation in runs:
+            seq = torch.tensor(prompt + continuation)
+            with torch.no_grad():
+                hidden.append(model.get_decoder()(input_ids=seq[None]).last_hidden_state[0])  # [T, D]
+            # future[t, k]: the token k + 2 steps after position t (-1 past the end)
+            fut = torch.full((len(seq), num_heads), -1, dtype=torch.long)
+            for t in range(len(seq)):
+                for k in range(num_heads):
+                    if t + k + 2 < len(seq):
+                        fut[t, k] = seq[t + k + 2]
+            future.append(fut)
+        self.hidden, self.future = torch.cat(hidden), torch.cat(future)
+        self.num_heads, self.hit, self.vocab = num_heads, hit, model.config.vocab_size
+        self.g = torch.Generator().manual_seed(seed)
+
+    def forward(self, hidden, lm_head=None):
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [B, D]
+        logits = torch.randn(self.num_heads, len(rows), self.vocab, generator=self.g)  # [K, B, V]
+        for b, h in enumerate(rows):
+            t = int((self.hidden - h).norm(dim=-1).argmin())
+            for k in range(self.num_heads):
+                if self.future[t, k] >= 0 and torch.rand(1, generator=self.g) < self.hit:
+                    logits[k, b, self.future[t, k]] = 100.0
+        return logits if hidden.dim() > 1 else logits[:, 0]
+
+
+def make_heads(kind, model, runs):
+    if kind == "none":
+        return None
+    return random_heads(model) if kind == "random" else OracleHeads(model, runs)
+
+
+@pytest.mark.parametrize("kind", ["none", "random", "oracle"])
+def test_batch_equals_alone_mixed_lengths_and_ends(model, kind):
+    ps = prompts(6, seed=1)
+    lengths = [40, 7, 25, 1, 33, 12]  # sequences finish at different steps
+    want = [alone(model, p, n) for p, n in zip(ps, lengths)]
+    heads = make_heads(kind, model, [(p, alone(model, p, 40, ignore_eos=True)) for p in ps])
+    dec = BatchDecoder(model, heads, TREE, {EOS}, max_batch_size=8)
+    got = dec.run([request(p, n) for p, n in zip(ps, lengths)])
+    assert [got[i] for i in range(len(ps))] == want
+    assert len(dec) == 0 and dec.cache is None
+    if kind == "oracle":  # the oracle's paths were accepted: fewer steps than tokens
+        dec = BatchDecoder(model, heads, TREE, {EOS})
+        outs = [dec.add(request(p, 40, ignore_eos=True)) for p in ps]
+        steps = 0
+        while len(dec):
+            dec.step()
+            steps += 1
+        assert steps < 30
+        assert sum(o.stats.mean_accepted_length for o in outs) / len(outs) > 1.5
+
+
+@pytest.mark.parametrize("kind", ["none", "oracle"])
+def test_eos_ends_one_sequence_early(model, kind):
+    ps = prompts(3, seed=2, lo=5)
+    plain = [alone(model, p, 30, ignore_eos=True) for p in ps]
+    heads = make_heads(kind, model, list(zip(ps, plain)))
+    eos = plain[1][6]  # a token from the middle of sequence 1 ends it there
+    reqs = [request(ps[0], 30, ignore_eos=True), request(ps[1], 30, eos=[eos]), request(ps[2], 30, ignore_eos=True)]
+    dec = BatchDecoder(model, heads, TREE, {EOS})
+    firsts = [dec.add(r) for r in reqs]
+    out = {o.id: list(o.tokens) for o in firsts}
+    reasons = {}
+    while len(dec):
+        for o in dec.step():
+            out[o.id] += o.tokens
+            if o.finished:
+                reasons[o.id] = o.finish_reason
+                assert o.id not in dec.ids
+    assert out[1] == plain[1][: plain[1].index(eos) + 1] == alone(model, ps[1], 30, eos=(eos,))
+    assert out[0] == plain[0] and out[2] == plain[2]
+    assert reasons == {0: "length", 1: "stop", 2: "length"}
+
+
+@pytest.mark.parametrize("kind", ["none", "random", "oracle"])
+def test_requests_added_mid_way_still_match(model, kind):
+    ps = prompts(7, seed=3)
+    want = [alone(model, p, 20 + 3 * i) for i, p in enumerate(ps)]
+    heads = make_heads(kind, model, list(zip(ps, want)))
+    # capacity 3: the later requests join as earlier ones finish (continuous batching)
+    dec = BatchDecoder(model, heads, TREE, {EOS}, max_batch_size=3)
+    got = dec.run([request(p, 20 + 3 * i) for i, p in enumerate(ps)])
+    assert [got[i] for i in range(len(ps))] == want
+    # and by hand: one joins after three steps of the others
+    dec = BatchDecoder(model, heads, TREE, {EOS})
+    out = {}
+    for i in (0, 1):
+        o = dec.add(request(ps[i], 20 + 3 * i))
+        out[o.id] = list(o.tokens)
+    for step in range(8):
+        if step == 3:
+            o = dec.add(request(ps[2], 26))
+            out[o.id] = list(o.tokens)
+        for o in dec.step():
+            out[o.id] += o.tokens
+    while len(dec):
+        for o in dec.step():
+            out[o.id] += o.tokens
+    assert [out[i] for i in range(3)] == want[:3]
+
+
+def test_eager_attention_gives_the_same_tokens():
+    """The additive mask is also right for the eager kernel (a bool mask would not be)."""
+    eager = tiny_llama(attn="eager")
+    ps = prompts(4, seed=9)
+    want = [alone(eager, p, 20, ignore_eos=True) for p in ps]
+    heads = OracleHeads(eager, list(zip(ps, want)))
+    got = BatchDecoder(eager, heads, TREE, {EOS}, max_batch_size=2).run([request(p, 20, ignore_eos=True) for p in ps])
+    assert [got[i] for i in range(4)] == want
+
+
+def test_cancel_frees_the_slot_and_the_cache_rows(model):
+    ps = prompts(3, seed=4, lo=10)
+    want = [alone(model, p, 30, ignore_eos=True) for p in ps]
+    dec = BatchDecoder(model, random_heads(model), TREE, {EOS}, max_batch_size=2)
+    out = {}
+    for p in ps[:2]:
+        o = dec.add(request(p, 30, ignore_eos=True))
+        out[o.id] = list(o.tokens)
+    assert not dec.has_room
+    with pytest.raises(MedusaError, match="full"):
+        dec.add(request(ps[2], 30))
+    for o in dec.step():
+        out[o.id] += o.tokens
+    assert dec.cancel(0) and not dec.cancel(0)
+    assert dec.has_room and dec.ids == [1]
+    assert all(layer.keys.shape[0] == 1 for layer in dec.cache.layers)
+    o = dec.add(request(ps[2], 30, ignore_eos=True))
+    out[o.id] = list(o.tokens)
+    while len(dec):
+        for o in dec.step():
+            out[o.id] += o.tokens
+    assert out[1] == want[1] and out[2] == want[2]
+    assert out[0] == want[0][: len(out[0])]
+
+
+def test_large_batches_fall_back_to_the_one_node_tree(model):
+    ps = prompts(4, seed=5)
+    want = [alone(model, p, 15, ignore_eos=True) for p in ps]
+    heads = OracleHeads(model, list(zip(ps, want)), hit=1.0)
+    dec = BatchDecoder(model, heads, TREE, {EOS}, max_tree_batch=2)
+    outs = [dec.add(request(p, 15, ignore_eos=True)) for p in ps]
+    out = {o.id: list(o.tokens) for o in outs}
+    for _ in range(3):  # 4 rows: plain steps
+        for o in dec.step():
+            out[o.id] += o.tokens
+    assert all(set(o.stats.accepted_lengths) == {1} for o in outs)
+    dec.cancel(2), dec.cancel(3)
+    while len(dec):  # 2 rows: the tree again, and the oracle is always right
+        for o in dec.step():
+            out[o.id] += o.tokens
+    assert out[0] == want[0] and out[1] == want[1]
+    assert max(outs[0].stats.accepted_lengths) > 1
+
+
+def test_context_limit_per_row():
+    small = tiny_llama(max_positions=40)
+    ps = [p[:20] for p in prompts(3, seed=6, lo=20, hi=30)] + [prompts(1, seed=7)[0][:5]]
+    want = [alone(small, p, 100, ignore_eos=True) for p in ps]
+    assert all(len(p) + len(w) == 40 for p, w in zip(ps, want))
+    for heads in (None, OracleHeads(small, list(zip(ps, want)), hit=1.0)):
+        dec = BatchDecoder(small, heads, TREE, {EOS})
+        reasons = {}
+        out = {}
+        for p in ps:
+            o = dec.add(request(p, 100, ignore_eos=True))
+            out[o.id] = list(o.tokens)
+        while len(dec):
+            for o in dec.step():
+                out[o.id] += o.tokens
+                if o.finished:
+                    reasons[o.id] = o.finish_reason
+        assert [out[i] for i in range(len(ps))] == want
+        assert set(reasons.values()) == {"length"}
+
+
+@pytest.mark.parametrize("kind", ["none", "random"])
+def test_seeded_sampling_matches_alone(model, kind):
+    ps = prompts(3, seed=8)
+    heads = make_heads(kind, model, [])
+    sampling = [dict(temperature=0.8, seed=10 + i) for i in range(3)]
+    want = [alone(model, p, 25, heads=heads, sampling=SamplingConfig(**s), ignore_eos=True)
+            for p, s in zip(ps, sampling)]
+    dec = BatchDecoder(model, heads, TREE, {EOS})
+    got = dec.run([request(p, 25, ignore_eos=True, **s) for p, s in zip(ps, sampling)])
+    assert [got[i] for i in range(3)] == want
+
+
+def test_bad_inputs_are_refused(model):
+    dec = BatchDecoder(model, None, TREE, {EOS})
+    with pytest.raises(MedusaError, match="empty"):
+        dec.add(request([], 5))
+    with pytest.raises(MedusaError, match="context"):
+        dec.add(request([1] * 256, 5))
+    with pytest.raises(MedusaError, match="max_batch_size"):
+        BatchDecoder(model, None, TREE, {EOS}, max_batch_size=0)
+    assert dec.step() == []

@@ -1,0 +1,344 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over real HTTP on
+127.0.0.1 (uvicorn in a background thread, tiny random model, byte tokenizer)."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from medusa_decoding.engine import MedusaModel  # noqa: E402
+from medusa_decoding.server import create_app, make_server  # noqa: E402
+
+from conftest import byte_tokenizer, random_heads, tiny_llama  # noqa: E402
+
+try:
+    import httpx2 as httpx  # the name openai's client depends on here
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+
+NAME = "tiny"
+
+
+class Server:
+    """uvicorn serving `app` on a free 127.0.0.1 port, in a daemon thread."""
+
+    def __init__(self, app, graceful_timeout_s=1.0):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.app = app
+        self.server = make_server(app, log_level="warning", graceful_timeout_s=graceful_timeout_s)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=30, **kw)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def medusa():
+    base = tiny_llama()
+    return MedusaModel(base, byte_tokenizer(), heads=random_heads(base), name=NAME)
+
+
+@pytest.fixture(scope="module")
+def server(medusa):
+    s = Server(create_app(medusa, max_batch_size=8))
+    yield s
+    s.stop()
+
+
+def slow_steps(monkeypatch, app, delay_s=0.02):
+    """Make every decoding step of `app` take at least delay_s; record cancelled ids."""
+    decoder = app.state.scheduler.decoder
+    step, cancel, cancelled = decoder.step, decoder.cancel, []
+
+    def slow_step():
+        time.sleep(delay_s)
+        return step()
+
+    def recording_cancel(request_id):
+        found = cancel(request_id)
+        if found:
+            cancelled.append(request_id)
+        return found
+
+    monkeypatch.setattr(decoder, "step", slow_step)
+    monkeypatch.setattr(decoder, "cancel", recording_cancel)
+    return cancelled
+
+
+def wait_idle(url, within_s):
+    deadline = time.monotonic() + within_s
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if health["active"] == 0 and health["queued"] == 0:
+            return health
+        assert time.monotonic() < deadline, f"still busy after {within_s} s: {health}"
+        time.sleep(0.02)
+
+
+PROMPTS = ["Hello there", "def f(x):", "The quick brown fox", "a", "Medusa heads guess ahead", "1 2 3 4"]
+
+
+def test_health_and_models(server):
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["max_batch_size"] == 8
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_equals_generate(server, medusa, stream):
+    client = server.client()
+    for i, prompt in enumerate(PROMPTS):
+        n = 5 + 3 * i
+        want = medusa.generate(prompt, chat=False, max_new_tokens=n)
+        if stream:
+            chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+            medusa_stats = [c.model_extra["medusa"] for c in chunks if c.model_extra.get("medusa")]
+            assert finish == [want.finish_reason] and len(medusa_stats) == 1
+            assert all(c.object == "text_completion" for c in chunks)
+        else:
+            out = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0)
+            text, usage, medusa_stats = out.choices[0].text, out.usage, [out.model_extra["medusa"]]
+            assert out.choices[0].finish_reason == want.finish_reason and out.object == "text_completion"
+        assert text == want.text
+        assert usage.completion_tokens == len(want.token_ids)
+        assert usage.prompt_tokens == medusa.encode(prompt, chat=False).shape[1]
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert medusa_stats[0]["steps"] == want.stats.steps
+        assert medusa_stats[0]["mean_accepted_length"] >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_equals_generate(server, medusa, stream):
+    client = server.client()
+    for prompt in PROMPTS[:3]:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+        want = medusa.generate(messages, max_new_tokens=12)
+        if stream:
+            chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12,
+                                                         temperature=0, stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert all(c.object == "chat.completion.chunk" for c in chunks)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            assert chunks[-1].choices[0].finish_reason == want.finish_reason
+        else:
+            out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+            assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+            assert out.choices[0].finish_reason == want.finish_reason
+            assert out.usage.completion_tokens == len(want.token_ids)
+            text = out.choices[0].message.content
+        assert text == want.text
+
+
+def test_stop_strings_and_seeded_sampling(server, medusa):
+    client = server.client()
+    full = medusa.generate("Hello there", chat=False, max_new_tokens=30)
+    stop = full.text[10:12]
+    want = medusa.generate("Hello there", chat=False, max_new_tokens=30, stop=[stop])
+    assert len(want.text) < len(full.text)
+    for stream in (False, True):
+        out = client.completions.create(model=NAME, prompt="Hello there", max_tokens=30, temperature=0,
+                                        stop=[stop, "\x00never"], stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # seeded sampling is reproducible
+    texts = {client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0.9, top_p=0.9,
+                                       seed=7).choices[0].text for _ in range(2)}
+    assert len(texts) == 1
+
+
+def test_32_concurrent_clients_get_their_own_answers(server, medusa):
+    jobs = [(f"prompt number {i}: " + "xyz"[i % 3] * (i % 7), 8 + i % 9, i % 2 == 0, i % 4 == 1) for i in range(32)]
+    want = []
+    for prompt, n, _, chat in jobs:
+        p = [{"role": "user", "content": prompt}] if chat else prompt
+        want.append(medusa.generate(p, chat=chat, max_new_tokens=n).text)
+
+    def ask(job):
+        prompt, n, stream, chat = job
+        client = server.client()
+        if chat:
+            out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=n, temperature=0, stream=stream)
+            return "".join(c.choices[0].delta.content or "" for c in out) if stream else out.choices[0].message.content
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=stream)
+        return "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+
+    decoder = server.app.state.scheduler.decoder
+    sizes, step = [], decoder.step
+
+    def recording_step():
+        sizes.append(len(decoder))
+        return step()
+
+    decoder.step = recording_step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            got = list(pool.map(ask, jobs))
+    finally:
+        del decoder.step
+    assert got == want
+    assert max(sizes) == 8  # the batch filled up; the others waited in the queue
+    wait_idle(server.url, 2)
+
+
+def error(response, status, param=None, code=None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    assert body["error"]["param"] == param
+    if code:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+def test_bad_requests_get_openai_errors(server):
+    url = f"{server.url}/v1"
+    post = lambda path, body: httpx.post(f"{url}/{path}", json=body)  # noqa: E731
+    ok = {"model": NAME, "prompt": "hi", "max_tokens": 3}
+    r = httpx.post(f"{url}/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    error(r, 400, code="invalid_json")
+    error(post("completions", {"model": NAME}), 400, "prompt")
+    error(post("completions", {**ok, "max_tokens": "many"}), 400, "max_tokens")
+    error(post("completions", {**ok, "model": "gpt-9"}), 404, "model", "model_not_found")
+    error(post("completions", {**ok, "max_tokens": 0}), 400, "max_tokens")
+    error(post("completions", {**ok, "max_tokens": 10_000}), 400, "max_tokens", "context_length_exceeded")
+    error(post("completions", {**ok, "prompt": "x" * 300}), 400, "prompt", "context_length_exceeded")
+    error(post("completions", {**ok, "prompt": ""}), 400, "prompt")
+    error(post("completions", {**ok, "n": 2}), 400, "n")
+    error(post("completions", {**ok, "temperature": 5}), 400, "temperature")
+    error(post("completions", {**ok, "top_p": 0}), 400, "top_p")
+    error(post("completions", {**ok, "stop": ""}), 400, "stop")
+    error(post("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}),
+          400, "messages.0.role")
+    error(post("chat/completions", {"model": NAME, "messages": "hi"}), 400, "messages")
+    error(post("chat/completions", {"model": NAME, "messages": []}), 400, "messages")
+    error(httpx.get(f"{url}/nothing-here"), 404)
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+    # the server keeps serving
+    assert post("completions", ok).status_code == 200
+    assert client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_dropped_stream_frees_its_slot_and_spares_the_others(server, medusa, monkeypatch):
+    cancelled = slow_steps(monkeypatch, server.app)  # 200 tokens would now take > 4 s
+    body = {"model": NAME, "prompt": "a long story", "max_tokens": 200, "temperature": 0, "stream": True}
+    want = medusa.generate("keep going", chat=False, max_new_tokens=15).text
+    other = {}
+
+    def other_client():
+        other["text"] = server.client().completions.create(model=NAME, prompt="keep going", max_tokens=15,
+                                                           temperature=0).choices[0].text
+
+    thread = threading.Thread(target=other_client)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        thread.start()
+        lines = response.iter_lines()
+        events = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert events and "[DONE]" not in events[-1]
+        json.loads(events[0][len("data: "):])
+    dropped = time.monotonic()
+    wait_idle(server.url, 3)
+    thread.join(10)
+    assert time.monotonic() - dropped < 3.5  # far less than the 200 tokens would take
+    assert len(cancelled) == 1
+    assert other["text"] == want
+    # a non-streaming client that gives up is cancelled as well
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_idle(server.url, 3)
+    assert len(cancelled) == 2
+
+
+def test_shutdown_cancels_in_flight_requests(medusa, monkeypatch):
+    app = create_app(medusa, max_batch_size=2)
+    s = Server(app, graceful_timeout_s=5)
+    slow_steps(monkeypatch, app, delay_s=0.05)
+    body = {"model": NAME, "prompt": "go on", "max_tokens": 200, "temperature": 0}
+    results = []
+
+    def request(stream):
+        try:
+            with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": stream}, timeout=20) as r:
+                results.append((r.status_code, b"".join(r.iter_bytes())))
+        except httpx.HTTPError as e:  # the connection closes mid-response
+            results.append((None, repr(e).encode()))
+
+    threads = [threading.Thread(target=request, args=(stream,)) for stream in (True, False, False)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    assert httpx.get(f"{s.url}/health").json()["active"] == 2
+    start = time.monotonic()
+    s.stop()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - start < 3  # not the 5 s graceful timeout: every request ended at once
+    results.sort(key=lambda r: r[1][:1])
+    assert [status for status, _ in results] == [200, 503, 503]  # the stream, then the two others
+    stream = results[0][1].decode()
+    assert "shutting_down" in stream.split("data: ")[-1] and "[DONE]" not in stream
+    for _, out in results[1:]:
+        assert json.loads(out)["error"]["code"] == "shutting_down"
+    scheduler = app.state.scheduler
+    assert len(scheduler.decoder) == 0 and not scheduler.jobs and scheduler.queue.empty()
+
+
+def test_cli_serve(tmp_path_factory, capsys, monkeypatch):
+    """`medusa serve` loads the model and hands it to server.serve; bad options exit 2 with one line."""
+    import sys
+
+    from medusa_decoding import cli, server as server_module
+
+    from conftest import save_tiny
+
+    folder, heads = save_tiny(tmp_path_factory, max_positions=64)
+    calls = []
+    monkeypatch.setattr(server_module, "serve", lambda model, **kw: calls.append((model, kw)))
+
+    def medusa(*args):
+        monkeypatch.setattr(sys, "argv", ["medusa", "serve", *map(str, args)])
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        return exit_.value.code, capsys.readouterr().err
+
+    code, _ = medusa("--model", folder, "--heads", heads, "--port", 8123, "--max-batch-size", 4,
+                     "--max-tree-batch", 2, "--dtype", "float32", "--device", "cpu")
+    assert code == 0 and len(calls) == 1
+    model, kw = calls[0]
+    assert model.heads is not None and kw == {"host": "127.0.0.1", "port": 8123, "max_batch_size": 4,
+                                              "max_tree_batch": 2}
+    for args in (["--max-batch-size", 0], ["--port", 0], ["--tree", "dynamic"], ["--port", "x"]):
+        code, err = medusa("--model", folder, *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert len(calls) == 1
