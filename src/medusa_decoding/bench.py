@@ -1,11 +1,13 @@
 """`medusa bench`: decoding methods side by side on the same prompts -> results.json, report.md, plots.
 
-Four parts, each testable alone:
+Five parts, each testable alone:
 1. prompts: Spec-Bench-shaped JSONL, HumanEval's prompts or held-out ShareGPT turns -> [Prompt]
 2. methods: `plain` / `medusa[:tree]` (our engine) and `hf` / `hf-pld` (transformers generate);
    `run_method` asks one method every turn of one prompt -> a Record
 3. summary: pure arithmetic over Records: medians, per-prompt speed-up ratios, token identity
 4. report: results.json, report.md, PNG plots, the overall table
+5. batch (with --batch-sizes): plain vs medusa under continuous batching at each batch size B
+   (batch.BatchDecoder, greedy, first turns) -> throughput, latency, speed-up, token identity
 
 Speed-ups are medians of per-prompt ratios, each ratio taken within one prompt and one repeat
 round (methods run interleaved, so a machine that drifts slows every method of a round alike).
@@ -66,6 +68,8 @@ class BenchConfig:
     out: str | None = None  # None: bench_out/<timestamp>
     ngram_length: int = 8  # tokens of the n-gram branch of "+ngram" methods
     tree_budget: int = 16  # nodes of the "dynamic" method's tree
+    batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
+    batch_only: bool = False  # ... and skip the per-prompt method comparison
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -85,6 +89,13 @@ class BenchConfig:
                                   f"plain/medusa/dynamic optionally with {NGRAM}")
         if self.ngram_length < 1 or self.tree_budget < 2:
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
+        if self.batch_sizes is not None and (not self.batch_sizes or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes)):
+            raise MedusaError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")
+        if self.batch_only and not self.batch_sizes:
+            raise MedusaError("--batch-only needs --batch-sizes")
+        if self.batch_only and (self.methods is not None or self.trees):
+            raise MedusaError("--methods and --tree choose the per-prompt comparison, which --batch-only skips")
         if self.trees and "medusa" not in self.head_kinds:
             raise MedusaError("--tree files are for method medusa; add medusa to --methods")
 
@@ -276,28 +287,32 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
 
 
 def build_methods(cfg: BenchConfig):
-    """Load the base (and heads) once -> (a MedusaModel, {method name: Generate})."""
+    """Load the base (and heads) once -> (a MedusaModel, {method name: Generate}); no method
+    with --batch-only. The model carries the heads whenever a method or the batch part needs them."""
     from .config import NgramConfig
     from .engine import DYNAMIC, MedusaModel, shipped_heads
     from .models import BUILTIN_MODELS
     from .tree import load_tree_file
 
-    kinds = cfg.method_kinds
+    kinds = [] if cfg.batch_only else cfg.method_kinds
     for tree in cfg.trees:
         load_tree_file(tree)  # fail early, before the model loads
     stems = [Path(t).stem for t in cfg.trees]
     if len(set(stems)) < len(stems):
         raise MedusaError("two --tree files share a name; methods are named medusa:<file stem>")
     heads = cfg.heads
-    with_heads = {"medusa", "dynamic"} & cfg.head_kinds
-    if heads is None and with_heads and cfg.model in BUILTIN_MODELS:
+    with_heads = {"medusa", "dynamic"} & {k.partition("+")[0] for k in kinds}
+    want_heads = bool(with_heads or cfg.batch_sizes)
+    if heads is None and want_heads and cfg.model in BUILTIN_MODELS:
         heads = shipped_heads(cfg.model)
+    if cfg.batch_sizes and heads is None:
+        raise MedusaError(f"--batch-sizes compares plain and medusa, so it needs --heads: none are shipped for {cfg.model!r}")
     if with_heads and heads is None:
         if cfg.methods is not None:
             raise MedusaError(f"methods {', '.join(sorted(with_heads))} need --heads: none are shipped for {cfg.model!r}")
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
         kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
-    base = MedusaModel.from_pretrained(cfg.model, heads=heads if with_heads else None,
+    base = MedusaModel.from_pretrained(cfg.model, heads=heads if want_heads else None,
                                        dtype=cfg.dtype, device=cfg.device, tree_budget=cfg.tree_budget)
     ngram = NgramConfig(length=cfg.ngram_length)
     methods: dict[str, Generate] = {}
@@ -445,10 +460,20 @@ def identity_line(identity: dict) -> str:
 
 
 def write_report(path: Path, results: dict) -> None:
+    out = [f"# medusa bench: {results['config']['model']}", ""]
+    if "summary" in results:
+        out += method_report(results)
+    else:
+        out += [f"{results['prompts']} prompts, {results['machine']['dtype']} on {results['machine']['device']}.", ""]
+    if "batch" in results:
+        out += batch_report(results["batch"])
+    path.write_text("\n".join(out))
+
+
+def method_report(results: dict) -> list[str]:
     summary, methods = results["summary"], results["methods"]
     cats = list(summary)
-    out = [f"# medusa bench: {results['config']['model']}", "",
-           f"{results['prompts']} prompts, {results['config']['repeats']} repeat(s), max {results['config']['max_new_tokens']} "
+    out = [f"{results['prompts']} prompts, {results['config']['repeats']} repeat(s), max {results['config']['max_new_tokens']} "
            f"new tokens per turn, temperature {results['config']['temperature']}, {results['machine']['dtype']} on "
            f"{results['machine']['device']}. Speed-ups: median of per-prompt ratios.", "",
            "## Overall", "", markdown_table(OVERALL_HEADER, [[m] + method_row(summary["overall"][m], results["identity"].get(m))
@@ -463,7 +488,7 @@ def write_report(path: Path, results: dict) -> None:
              for m in methods if summary["overall"][m].get("acceptance_per_depth")]
     if depth:
         out += ["## Acceptance per depth (overall)", "", markdown_table(["method", "depth 1, 2, ..."], depth), ""]
-    path.write_text("\n".join(out))
+    return out
 
 
 def plot_name(method: str) -> str:
@@ -471,12 +496,16 @@ def plot_name(method: str) -> str:
 
 
 def write_plots(folder: Path, results: dict) -> list[str]:
-    """speedup.png (grouped bars: category x method, vs plain, else vs hf) and one accepted-length
-    histogram per medusa method. Agg canvas, no pyplot: nothing global changes."""
+    """speedup.png (grouped bars: category x method, vs plain, else vs hf), one accepted-length
+    histogram per medusa method, throughput_vs_batch.png with a batch part. Agg canvas, no
+    pyplot: nothing global changes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    summary, written = results["summary"], []
+    written = [write_batch_plot(folder, results["batch"])] if "batch" in results else []
+    if "summary" not in results:
+        return written
+    summary = results["summary"]
     ref = REFERENCE if REFERENCE in results["methods"] else BASELINE
     bars = [m for m in results["methods"] if m != ref]
     if ref in results["methods"] and bars:
@@ -535,12 +564,229 @@ def machine_info(model) -> dict:
             "command": shlex.join(sys.argv)}
 
 
+# 5. throughput vs batch size -------------------------------------------------------------------
+
+BATCH_METHODS = ("plain", "medusa")  # interleaved in this order at every batch size
+BATCH_HEADER = ["batch", "plain tok/s", "medusa tok/s", "speed-up", "plain latency s", "medusa latency s", "tau",
+                "identical"]
+BATCH_PLOT = "throughput_vs_batch.png"
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4], sorted, duplicates dropped; anything but integers >= 1 is an error."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise MedusaError(f"--batch-sizes takes comma-separated integers >= 1 (e.g. 1,2,4,8,16), got {text!r}")
+    return sorted(set(sizes))
+
+
+@dataclass
+class BatchRun:
+    """One method decoding every prompt with continuous batching at one batch size, one repeat round."""
+
+    method: str
+    batch_size: int
+    repeat: int
+    wall_s: float  # first add() to the last sequence's finish
+    token_ids: list[list[int]]  # per prompt, in prompt order; up to and including the first EOS
+    latency_s: list[float]  # per prompt: from its add() to its finish (queueing for a slot excluded)
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens per step, every sequence, bonus included
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def batch_inputs(model, prompts: list[Prompt]) -> list[torch.Tensor]:
+    """The first turn of every prompt -> input_ids [T] each (chat template where the prompt is a chat)."""
+    chat = model.tokenizer.chat_template is not None
+    return [(model.encode([{"role": "user", "content": p.turns[0]}]) if p.chat and chat
+             else model.encode(p.turns[0], chat=False))[0] for p in prompts]
+
+
+def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int, max_new_tokens: int,
+                repeat: int = 0) -> BatchRun:
+    """Greedy-decode every input with a BatchDecoder kept full: all are submitted at once, a
+    sequence joins as soon as a slot frees up. method "plain" (no heads) or "medusa" (the
+    model's heads and static tree, at every batch size)."""
+    from .batch import BatchDecoder, BatchRequest
+
+    heads = model.heads if method == "medusa" else None
+    decoder = BatchDecoder(model.base, heads, model.tree if heads is not None else None, model.eos_token_ids,
+                           max_batch_size=batch_size)
+    generation, greedy = GenerationConfig(max_new_tokens=max_new_tokens), SamplingConfig()
+    pending = list(enumerate(inputs))
+    tokens: dict[int, list[int]] = {}
+    started, latency, lengths = {}, {}, []
+
+    def collect(outputs) -> None:
+        now = time.perf_counter()  # add() and step() end on a .tolist(): the device is synchronized
+        for out in outputs:
+            tokens[out.id] += out.tokens
+            if out.finished:
+                latency[out.id] = now - started[out.id]
+                lengths.extend(out.stats.accepted_lengths)
+
+    _sync(model.device)
+    t0 = time.perf_counter()
+    while pending or len(decoder):
+        while pending and decoder.has_room:
+            i, ids = pending.pop(0)
+            tokens[i], started[i] = [], time.perf_counter()
+            collect([decoder.add(BatchRequest(ids, generation, greedy, id=i))])
+        collect(decoder.step())
+    _sync(model.device)
+    wall = time.perf_counter() - t0
+    order = range(len(inputs))
+    return BatchRun(method, batch_size, repeat, wall, [tokens[i] for i in order], [latency[i] for i in order], lengths)
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def batch_identity(reference: BatchRun | None, run: BatchRun | None, prompt_ids: list[str] | None = None) -> dict:
+    """Per-prompt token identity of `run` vs `reference` -> {compared, differ, first mismatch}."""
+    if reference is None or run is None:
+        return {"compared": 0, "differ": 0, "first": None}
+    compared, differ, first = 0, 0, None
+    for i, (ours, theirs) in enumerate(zip(reference.token_ids, run.token_ids)):
+        compared += 1
+        where = first_difference([ours], [theirs])
+        if where is not None:
+            differ += 1
+            if first is None:
+                index = where[1]
+                first = {"prompt": prompt_ids[i] if prompt_ids else str(i), "index": index,
+                         "reference_token": _token_at([ours], 0, index), "token": _token_at([theirs], 0, index)}
+    return {"compared": compared, "differ": differ, "first": first}
+
+
+def summarize_batch(runs: list[BatchRun], prompt_ids: list[str] | None = None) -> list[dict]:
+    """One row per batch size: each method's medians over repeat rounds (throughput = all new
+    tokens / wall time of the run; latency = the run's median per-sequence latency), medusa's
+    speed-up (median of per-round ratios, as for prompts), token identity of medusa vs plain per
+    prompt (first round)."""
+    rows = []
+    for size in sorted({r.batch_size for r in runs}):
+        mine = [r for r in runs if r.batch_size == size]
+        row: dict = {"batch_size": size}
+        for method in BATCH_METHODS:
+            rs = [r for r in mine if r.method == method]
+            lengths = [n for r in rs for n in r.accepted_lengths]
+            row[method] = {"runs": len(rs), "tokens_per_s": _median([r.tokens_per_s for r in rs]),
+                           "wall_s": _median([r.wall_s for r in rs]), "new_tokens": _median([r.new_tokens for r in rs]),
+                           "latency_s": _median([float(np.median(r.latency_s)) for r in rs if r.latency_s]),
+                           "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None}
+        plain = {r.repeat: r for r in mine if r.method == "plain"}
+        ratios = [r.tokens_per_s / plain[r.repeat].tokens_per_s for r in mine
+                  if r.method == "medusa" and r.repeat in plain and plain[r.repeat].tokens_per_s > 0]
+        row["speedup"] = _median(ratios)
+        first_round = {r.method: r for r in mine if r.repeat == 0}
+        row["identity"] = batch_identity(first_round.get("plain"), first_round.get("medusa"), prompt_ids)
+        rows.append(row)
+    return rows
+
+
+def batch_table_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        ident = row["identity"]
+        same = f"{ident['compared'] - ident['differ']}/{ident['compared']}" if ident["compared"] else "-"
+        out.append([str(row["batch_size"]), _fmt(row["plain"]["tokens_per_s"], 1), _fmt(row["medusa"]["tokens_per_s"], 1),
+                    _fmt(row["speedup"], 2, "x"), _fmt(row["plain"]["latency_s"], 3), _fmt(row["medusa"]["latency_s"], 3),
+                    _fmt(row["medusa"]["mean_accepted_length"]), same])
+    return out
+
+
+def batch_identity_line(batch: dict) -> str:
+    total = batch["identity"]
+    parts = ", ".join(f"B={r['batch_size']} {r['identity']['differ']}/{r['identity']['compared']}" for r in batch["rows"])
+    line = f"batched token identity, medusa vs plain ({batch['dtype']}): {parts} prompts differ"
+    first = next((r["identity"]["first"] for r in batch["rows"] if r["identity"]["first"]), None)
+    if first:
+        line += f" (first: prompt {first['prompt']}, token {first['index']}: {first['reference_token']} vs {first['token']})"
+    if total["differ"] and batch["dtype"] != "float32":
+        line += "; reported only: in reduced precision a batch's rows may round differently"
+    return line
+
+
+def batch_report(batch: dict) -> list[str]:
+    return ["## Throughput vs batch size", "",
+            f"Continuous batching (BatchDecoder): the first turns of {batch['prompts']} prompts, all submitted at once, "
+            f"at most B decoded together; greedy, max {batch['max_new_tokens']} new tokens, medusa on its "
+            f"{batch['tree_nodes']}-node tree at every B. tok/s: all new tokens / wall time; latency: median per "
+            f"sequence from its add() to its finish; medians over {batch['repeats']} round(s); speed-up: median of "
+            "per-round ratios.", "",
+            markdown_table(BATCH_HEADER, batch_table_rows(batch["rows"])), "", batch_identity_line(batch), ""]
+
+
+def write_batch_plot(folder: Path, batch: dict) -> str:
+    """throughput_vs_batch.png: tokens/s of both methods (left) and medusa's speed-up (right) vs B."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sizes = [r["batch_size"] for r in batch["rows"]]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    for method in BATCH_METHODS:
+        left.plot(sizes, [r[method]["tokens_per_s"] or 0 for r in batch["rows"]], marker="o", label=method)
+    left.set_ylim(bottom=0)
+    left.set_ylabel("tokens/s (all sequences)")
+    left.legend()
+    right.plot(sizes, [r["speedup"] or 0 for r in batch["rows"]], marker="o", color="C2")
+    right.axhline(1.0, color="gray", lw=0.8)
+    right.set_ylabel("speed-up of medusa vs plain")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+    fig.tight_layout()
+    fig.savefig(folder / BATCH_PLOT, dpi=100)
+    return BATCH_PLOT
+
+
+def run_batch_bench(cfg: BenchConfig, model, prompts: list[Prompt]) -> dict:
+    """Every batch size, plain then medusa, `repeats` rounds -> the "batch" part of results.json."""
+    from tqdm import tqdm
+
+    sizes = cfg.batch_sizes or []
+    inputs = batch_inputs(model, prompts)
+    if max(sizes) > len(inputs):
+        log.warning("note: only %d prompts: batches above %d are never full", len(inputs), len(inputs))
+    warm = min(max(sizes), len(inputs))
+    for method in BATCH_METHODS:  # one-off costs (allocations, kernels) at the largest batch
+        run_batched(model, method, inputs[:warm], warm, min(cfg.max_new_tokens, WARMUP_TOKENS))
+    runs = []
+    with tqdm(total=cfg.repeats * len(sizes) * len(BATCH_METHODS), desc="batch", unit="run", file=sys.stderr) as bar:
+        for repeat in range(cfg.repeats):
+            for size in sizes:
+                for method in BATCH_METHODS:  # interleaved: drift hits both methods alike
+                    runs.append(run_batched(model, method, inputs, size, cfg.max_new_tokens, repeat))
+                    bar.update()
+    rows = summarize_batch(runs, [p.id for p in prompts])
+    return {"batch_sizes": sizes, "prompts": len(inputs), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
+            "tree_nodes": model.tree.num_nodes, "dtype": str(model.base.dtype).removeprefix("torch."), "rows": rows,
+            "identity": {"compared": sum(r["identity"]["compared"] for r in rows),
+                         "differ": sum(r["identity"]["differ"] for r in rows)},
+            "runs": [{"method": r.method, "batch_size": r.batch_size, "repeat": r.repeat, "wall_s": r.wall_s,
+                      "new_tokens": r.new_tokens, "tokens_per_s": r.tokens_per_s, "steps": len(r.accepted_lengths),
+                      "latency_s": r.latency_s} for r in runs]}
+
+
 # the run ---------------------------------------------------------------------------------------
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run every method on every prompt, interleaved, write the outputs; return the results."""
-    from tqdm import tqdm
-
+    """Run every method on every prompt, interleaved, then (with batch sizes) the batched runs;
+    write the outputs; return the results."""
     if cfg.prompts:
         prompts = load_jsonl_prompts(Path(cfg.prompts))
     else:
@@ -551,6 +797,29 @@ def run_bench(cfg: BenchConfig) -> dict:
     model, methods = build_methods(cfg)
     out = Path(cfg.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
+    results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "prompts": len(prompts)}
+    if methods:
+        results |= compare_methods(cfg, model, methods, prompts)
+    if cfg.batch_sizes:
+        results["batch"] = run_batch_bench(cfg, model, prompts)
+    results["plots"] = write_plots(out, results)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(out / "report.md", results)
+
+    if methods:
+        rows = [[m] + method_row(results["summary"]["overall"][m], results["identity"].get(m)) for m in methods]
+        print(text_table(OVERALL_HEADER, rows))
+        print(identity_line(results["identity"]))
+    if cfg.batch_sizes:
+        print(text_table(BATCH_HEADER, batch_table_rows(results["batch"]["rows"])))
+        print(batch_identity_line(results["batch"]))
+    log.info("wrote %s: results.json, report.md, %s", out, ", ".join(results["plots"]) or "no plot")
+    return results
+
+
+def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], prompts: list[Prompt]) -> dict:
+    """Every method on every prompt, interleaved -> the per-prompt part of results.json."""
+    from tqdm import tqdm
 
     warm = Prompt(prompts[0].id, prompts[0].category, prompts[0].turns[:1], prompts[0].chat)
     for name, generate in methods.items():  # first calls pay one-off costs (allocations, kernels)
@@ -571,15 +840,5 @@ def run_bench(cfg: BenchConfig) -> dict:
                     for m in names if m != REFERENCE}
     else:
         identity = {m: identity_check(records, m) for m in names if m != REFERENCE and REFERENCE in names}
-    results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "methods": names, "categories": categories,
-               "prompts": len(prompts), "summary": summarize(records, names, categories), "identity": identity,
-               "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}
-    results["plots"] = write_plots(out, results)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_report(out / "report.md", results)
-
-    rows = [[m] + method_row(results["summary"]["overall"][m], identity.get(m)) for m in names]
-    print(text_table(OVERALL_HEADER, rows))
-    print(identity_line(identity))
-    log.info("wrote %s: results.json, report.md, %s", out, ", ".join(results["plots"]) or "no plot")
-    return results
+    return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
+            "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}

@@ -279,15 +279,18 @@ def bench(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: bench_out/<timestamp>)."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs medusa under continuous batching at each batch size (first turns, greedy)."),
+    batch_only: bool = typer.Option(False, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
 ) -> None:
     """Methods side by side on the same prompts: results.json, report.md and plots in --out."""
-    from .bench import BenchConfig, run_bench
+    from .bench import BenchConfig, parse_batch_sizes, run_bench
 
     cfg = BenchConfig(
         model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,
         methods=methods, trees=[str(t) for t in tree], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
         ngram_length=ngram, tree_budget=tree_budget,
+        batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes is not None else None, batch_only=batch_only,
     )
     run_bench(cfg)
 
