@@ -41,7 +41,7 @@ class OracleHeads(nn.Module):
         self.seq, self.num_heads, self.hit, self.vocab = seq[0], num_heads, hit, model.config.vocab_size
         self.g = torch.Generator().manual_seed(seed)
 
-    def forward(self, hidden, lm_head=None):  # hidden [D] -> logits [K, V]
+    def forward(self, hidden, lm_head=None, num_heads=None):  # hidden [D] -> logits [K, V]
         t = int((self.hidden - hidden).norm(dim=-1).argmin())
         logits = torch.randn(self.num_heads, self.vocab, generator=self.g)
         for k in range(self.num_heads):

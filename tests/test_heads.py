@@ -58,3 +58,14 @@ def test_missing_or_mismatched_checkpoint(model, tmp_path):
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(MedusaError, match="do not match"):
         MedusaHeads.from_pretrained(tmp_path)
+
+
+def test_save_in_bfloat16_halves_the_file(model, tmp_path):
+    heads = random_heads(model, num_heads=2)
+    heads.save_pretrained(tmp_path / "fp32")
+    heads.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    small, big = (tmp_path / "bf16" / "model.safetensors").stat().st_size, (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    assert small < 0.6 * big
+    loaded = MedusaHeads.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(loaded(hidden, model.lm_head), heads(hidden, model.lm_head), atol=0.05, rtol=0.05)

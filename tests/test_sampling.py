@@ -49,7 +49,7 @@ class MarginalHeads(torch.nn.Module):
             marginal[b] += p
         self.logits = torch.stack([marginal.log(), torch.randn(vocab), torch.randn(vocab), torch.randn(vocab)])
 
-    def forward(self, hidden, lm_head=None):  # hidden [D] -> logits [K, V]
+    def forward(self, hidden, lm_head=None, num_heads=None):  # hidden [D] -> logits [K, V]
         return self.logits
 
 

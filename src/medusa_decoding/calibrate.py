@@ -38,7 +38,7 @@ class Calibration:
     accuracy: list[list[float]]
     # verification latency relative to one token, by tree size
     latency: dict[int, float]
-    heads_cost: float  # the heads' time per step, relative to a one-token step
+    heads_cost: list[float]  # heads_cost[k-1]: time of the first k heads, relative to a one-token step
     curve: list[dict] = field(default_factory=list)  # n, paths, expected tau, cost, speed-up
     best: dict = field(default_factory=dict)
 
@@ -115,25 +115,27 @@ def verify_latency(model, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) 
 
 
 @torch.no_grad()
-def heads_latency(model, heads, repeats: int = 20) -> float:
-    """The heads' time per step (top-k of every head at one position), relative to a one-token
-    verification forward; measured, because on a CPU the heads' vocabulary projections are
-    a visible part of a step."""
+def heads_latency(model, heads, repeats: int = 20) -> list[float]:
+    """The heads' time per step when the first k heads run (k = 1..K; a tree of depth d runs
+    d heads), relative to a one-token verification forward; measured, because on a CPU the
+    heads' vocabulary projections are a visible part of a step."""
     hidden = torch.randn(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
     lm_head = model.get_output_embeddings()
     cache = new_cache(model)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-    t_heads, t_step = [], []
+    t_heads: list[list[float]] = [[] for _ in range(heads.num_heads)]
+    t_step = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        heads(hidden, lm_head).topk(RANKS, dim=-1)
+        for k in range(heads.num_heads):
+            t0 = time.perf_counter()
+            heads(hidden, lm_head, num_heads=k + 1).topk(RANKS, dim=-1)
+            t_heads[k].append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         forward(model, token, torch.zeros(1, 1, dtype=torch.long, device=model.device), None, cache)
-        t2 = time.perf_counter()
+        t_step.append(time.perf_counter() - t1)
         cache.crop(-1)
-        t_heads.append(t1 - t0)
-        t_step.append(t2 - t1)
-    return statistics.median(t_heads) / statistics.median(t_step)
+    step = statistics.median(t_step)
+    return [statistics.median(t) / step for t in t_heads]
 
 
 def interpolate(latency: dict[int, float], n: int) -> float:
@@ -146,14 +148,16 @@ def interpolate(latency: dict[int, float], n: int) -> float:
     return latency[sizes[-1]] * n / sizes[-1]
 
 
-def fit(accuracy, latency: dict[int, float], heads_cost: float) -> Calibration:
-    """Expected tau, cost and speed-up for every tree size; the best one is kept."""
+def fit(accuracy, latency: dict[int, float], heads_cost: list[float]) -> Calibration:
+    """Expected tau, cost and speed-up for every tree size; the best one is kept. A tree's
+    cost is its verification plus the heads its depth needs."""
     chosen = best_trees(accuracy, max(latency))
     curve = []
     for n in sorted(latency):
         paths = [p for p, _ in chosen[: n - 1]]
         tau = 1.0 + sum(score for _, score in chosen[: n - 1])
-        cost = interpolate(latency, n) + (heads_cost if n > 1 else 0.0)
+        depth = max((len(p) for p in paths), default=0)
+        cost = interpolate(latency, n) + (heads_cost[depth - 1] if depth else 0.0)
         curve.append({"n": n, "paths": paths, "expected_tau": tau, "cost": cost, "expected_speedup": tau / cost})
     best = max(curve, key=lambda c: c["expected_speedup"])
     return Calibration(accuracy=accuracy, latency=latency, heads_cost=heads_cost, curve=curve, best=best)

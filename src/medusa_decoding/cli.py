@@ -69,7 +69,7 @@ def generate(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline)."),
-    ngram: int = typer.Option(0, "--ngram", help="Add an n-gram branch of this many tokens copied from the context (prompt lookup); 0: none."),
+    ngram: int = typer.Option(8, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the heads' tree; 0: none."),
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
     from .config import GenerationConfig, SamplingConfig
@@ -125,7 +125,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, "--port"),
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="Sequences decoded together; more requests wait in a queue."),
-    max_tree_batch: Optional[int] = typer.Option(None, "--max-tree-batch", help="Above this many active sequences, steps verify no tree (plain batched decoding); default: always the tree."),
+    max_tree_batch: Optional[int] = typer.Option(1, "--max-tree-batch", help="Above this many active sequences, steps verify no tree (plain batched decoding). Default 1: on a 2-core CPU the tree is a loss from batch 2 on (medusa bench --batch-sizes); raise it on a GPU."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),

@@ -117,6 +117,7 @@ class StepTrees:
                 tree = dynamic_tree(u.topk, u.max_depth, tree.budget, ngram_length)
             self.dynamic, self.static = tree.to(device), []
             self.depth_limit = tree.universe.depth_limit
+            self.heads_needed = tree.universe.max_depth
         else:
             self.dynamic = None
             self.static = [tree.to(device)]  # [0]: without, [1]: with the n-gram chain
@@ -124,6 +125,7 @@ class StepTrees:
                 self.static.append(build_tree(tree.paths, ngram_length).to(device))
             self.biases = [tree_bias(t, dtype, device) for t in self.static]  # [N, N] each
             self.depth_limit = max(t.depth_limit for t in self.static)
+            self.heads_needed = tree.max_depth  # heads beyond the tree's depth are not run
 
     def pick(self, with_ngram: bool, head_logits: torch.Tensor | None):
         """head_logits [K, V] or None -> (tree, bias [N, N], head_topk [K, topk] or None)."""
@@ -198,7 +200,9 @@ def decode(
             copied = ngram_proposer.propose(context) if ngram_proposer else None
             with_ngram = copied is not None and len(copied) > 0
             if prefix + trees.depth_limit + 2 <= ctx:
-                head_logits = heads(last_hidden, lm_head) if heads is not None else None  # [K, V]
+                head_logits = None
+                if heads is not None:
+                    head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
                 step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
             else:  # too close to the context end for a tree
                 step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False

@@ -94,17 +94,18 @@ class MedusaHeads(nn.Module):
                 head.weight.data.copy_(lm_head.weight.data)
         return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> per-head features [K, ..., D] (before the LM head)."""
-        return torch.stack([block(hidden) for block in self.blocks])
+    def features(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [..., D] -> per-head features [K, ..., D] (before the LM head); only the
+        first num_heads heads when given (a shallow tree needs no more)."""
+        return torch.stack([block(hidden) for block in self.blocks[:num_heads]])
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, with_features: bool = False,
-                vocab_rows: int | None = None):
+                vocab_rows: int | None = None, num_heads: int | None = None):
         """hidden [..., T, D] -> logits [K, ..., T, V] (and features [K, ..., T, D] when
         with_features). `lm_head` is the base model's output layer, needed when it is shared.
         vocab_rows: project only the first rows of T (training pays the V-wide projection
-        on a subset of positions)."""
-        feats = self.features(hidden)
+        on a subset of positions). num_heads: run only the first heads (K = num_heads)."""
+        feats = self.features(hidden, num_heads)
         rows = feats if vocab_rows is None else feats[..., :vocab_rows, :]
         if self.lm_heads is None:
             if lm_head is None:
@@ -125,11 +126,12 @@ class MedusaHeads(nn.Module):
                 f"base has hidden_size={base[0]}, vocab_size={base[1]}"
             )
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write config.json and model.safetensors; dtype (e.g. bfloat16) halves the file."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.config.save(path / CONFIG_NAME)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
 
     @classmethod
