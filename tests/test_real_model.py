@@ -47,3 +47,20 @@ def test_chat_template_and_eos(smollm):
     out = smollm.generate("What is the capital of France? Answer in one word.", max_new_tokens=40)
     assert "Paris" in out.text
     assert out.finish_reason == "stop" and out.token_ids[-1] in smollm.eos_token_ids
+
+
+def test_shipped_heads_fit_and_stay_lossless(smollm):
+    from medusa_decoding.config import NgramConfig
+    from medusa_decoding.engine import shipped_heads
+    from medusa_decoding.heads import MedusaHeads
+
+    folder = shipped_heads("smollm2-135m-instruct")
+    assert folder is not None and (folder / "tree.json").is_file()
+    heads = MedusaHeads.from_pretrained(folder)
+    heads.check_fits(smollm.base)
+    fast = MedusaModel(smollm.base, smollm.tokenizer, heads=heads, tree=folder / "tree.json", ngram=NgramConfig())
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    plain = smollm.generate(prompt, max_new_tokens=64)
+    out = fast.generate(prompt, max_new_tokens=64)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.mean_accepted_length > 1.3  # trained heads: more than one token per step
