@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -67,6 +69,17 @@ def random_heads(model, num_heads: int = 4, seed: int = 0, scale: float = 0.5) -
         for p in heads.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
     return heads.eval()
+
+
+def run_cli(capsys, monkeypatch, *args):
+    """Run `medusa ARGS` in this process -> (exit code, stdout, stderr)."""
+    from medusa_decoding import cli
+
+    monkeypatch.setattr(sys, "argv", ["medusa", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
 
 
 def save_tiny(tmp_path_factory, max_positions: int = 256, with_heads: bool = True):

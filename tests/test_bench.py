@@ -2,18 +2,16 @@
 
 import json
 import random
-import sys
 
 import pytest
 
-from medusa_decoding import cli
 from medusa_decoding.bench import (
     BatchRun, Record, batch_inputs, first_difference, identity_check, load_jsonl_prompts, load_suite,
     parse_batch_sizes, per_prompt_speedups, run_batched, select, summarize, summarize_batch,
 )
 from medusa_decoding.config import MedusaError
 
-from conftest import save_tiny
+from conftest import run_cli as medusa, save_tiny
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROMPTS = [
@@ -32,14 +30,6 @@ def setup(tmp_path_factory):
     (data / "small.json").write_text("[[0], [1]]")
     (data / "deep.json").write_text("[[0], [0, 0], [0, 0, 0]]")
     return folder, heads, data
-
-
-def medusa(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["medusa", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        cli.main()
-    out, err = capsys.readouterr()
-    return exit_.value.code, out, err
 
 
 def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):

@@ -1,13 +1,11 @@
 """`medusa generate`: streamed output, one stats line, and exit status 2 with one line per bad input."""
 
-import sys
 
 import pytest
 
-from medusa_decoding import cli
 from medusa_decoding.heads import MedusaHeads
 
-from conftest import save_tiny, tiny_llama
+from conftest import run_cli as medusa, save_tiny, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +14,6 @@ def model_dir(tmp_path_factory):
     bad_heads = tmp_path_factory.mktemp("bad_heads")
     MedusaHeads.for_base(tiny_llama(vocab=320)).save_pretrained(bad_heads)
     return folder, heads, bad_heads
-
-
-def medusa(capsys, monkeypatch, *args):
-    monkeypatch.setattr(sys, "argv", ["medusa", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        cli.main()
-    out, err = capsys.readouterr()
-    return exit_.value.code, out, err
 
 
 def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
