@@ -107,13 +107,10 @@ def tree_bias(tree: TreeBuffers, dtype: torch.dtype, device) -> torch.Tensor:
 
 class StepTrees:
     """The tree of each step: a static tree (TreeBuffers), with or without the n-gram chain,
-    or a DynamicTree selected from the heads' probabilities every step; and the n-gram chain
-    alone, for steps that copy a long match (the heads are not run then)."""
+    or a DynamicTree selected from the heads' probabilities every step."""
 
     def __init__(self, tree: TreeBuffers | DynamicTree, ngram_length: int, dtype: torch.dtype, device):
         self.dtype, self.device = dtype, device
-        self.copy_tree = build_tree([], ngram_length).to(device) if ngram_length else None
-        self.copy_bias = tree_bias(self.copy_tree, dtype, device) if ngram_length else None
         if isinstance(tree, DynamicTree):
             u = tree.universe
             if u.ngram_length != ngram_length:
@@ -130,10 +127,8 @@ class StepTrees:
             self.depth_limit = max(t.depth_limit for t in self.static)
             self.heads_needed = tree.max_depth  # heads beyond the tree's depth are not run
 
-    def pick(self, with_ngram: bool, head_logits: torch.Tensor | None, copy_only: bool = False):
+    def pick(self, with_ngram: bool, head_logits: torch.Tensor | None):
         """head_logits [K, V] or None -> (tree, bias [N, N], head_topk [K, topk] or None)."""
-        if copy_only:
-            return self.copy_tree, self.copy_bias, None
         if self.dynamic is None:
             tree = self.static[int(with_ngram)]
             topk = head_logits.topk(tree.topk, dim=-1).indices if tree.max_depth else None
@@ -202,15 +197,13 @@ def decode(
         with torch.inference_mode():
             # 1. propose: the heads read the last accepted position; an n-gram branch joins
             #    when the context's last tokens occurred before; the step's tree takes both
-            copied, matched = ngram_proposer.propose(context) if ngram_proposer else (None, 0)
+            copied = ngram_proposer.propose(context) if ngram_proposer else None
             with_ngram = copied is not None and len(copied) > 0
-            # a long match is copied text: verify its chain alone and skip the heads
-            copy_only = with_ngram and 0 < ngram.copy_only_match <= matched
             if prefix + trees.depth_limit + 2 <= ctx:
                 head_logits = None
-                if heads is not None and not copy_only:
+                if heads is not None:
                     head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
-                step_tree, bias, head_topk = trees.pick(with_ngram, head_logits, copy_only)
+                step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
             else:  # too close to the context end for a tree
                 step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
             ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
@@ -224,8 +217,8 @@ def decode(
             result = accept(tokens, logits, step_tree, sampling, generator)
             # 4. commit: keep the accepted path's cache entries; the bonus is the next root
             keep_path(cache, prefix, result.nodes)
-        nodes = result.nodes.tolist()
-        new = tokens[result.nodes[1:]].tolist() + [int(result.bonus)]
+        # one host read: the accepted candidates and the bonus token
+        new = torch.cat([tokens[result.nodes[1:]], result.bonus.reshape(1)]).tolist()
         prefix += len(new)
         root, last_hidden = result.bonus, hidden[result.nodes[-1]]
         stats.steps += 1
@@ -234,8 +227,8 @@ def decode(
             stats.accepted_per_depth[d] += 1
         if with_ngram:
             stats.ngram_steps += 1
-            if len(nodes) > 1 and nodes[1] >= step_tree.num_nodes - step_tree.ngram_length:
-                stats.ngram_accepted += len(nodes) - 1
+            if len(new) > 1 and int(result.nodes[1]) >= step_tree.num_nodes - step_tree.ngram_length:
+                stats.ngram_accepted += len(new) - 1
 
         room = generation.max_new_tokens - stats.new_tokens
         new = new[:room]

@@ -19,17 +19,16 @@ class NgramProposer:
     def __init__(self, config: NgramConfig):
         self.config = config
 
-    def propose(self, context: np.ndarray) -> tuple[np.ndarray | None, int]:
-        """context [T] int64 (prompt and emitted tokens, the root last) -> (tokens [<= L] or
-        None, the length n of the matched suffix; 0 without a match)."""
+    def propose(self, context: np.ndarray) -> np.ndarray | None:
+        """context [T] int64 (prompt and emitted tokens, the root last) -> tokens [<= L] or None."""
         cfg = self.config
         for n in range(min(cfg.max_ngram, len(context) - 1), cfg.min_ngram - 1, -1):
             windows = sliding_window_view(context[:-1], n)  # [T-n, n]: every earlier n-gram
             hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
             if hits.size:
                 start = hits[-1] + n
-                return context[start : start + cfg.length], n
-        return None, 0
+                return context[start : start + cfg.length]
+        return None
 
     def padded(self, proposal: np.ndarray, device) -> torch.Tensor:
         """tokens [<= L] -> [L] long: short proposals repeat their last token (a wrong guess
