@@ -34,12 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import drafters
 from .config import DEFAULT_MODEL, GenerationConfig, MedusaError, SamplingConfig
+from .drafters import DRAFTERS
 
 log = logging.getLogger(__name__)
 
 SUITES = ("spec-bench", "humaneval", "sharegpt")
-METHOD_KINDS = ("plain", "medusa", "dynamic", "hf", "hf-pld")
+METHOD_KINDS = ("plain", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
 DEFAULT_METHODS = "plain,medusa,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
@@ -57,6 +59,8 @@ class BenchConfig:
     suite: str | None = None  # ... or a suite; neither: spec-bench
     methods: str | None = None  # comma-separated; None: DEFAULT_METHODS, medusa dropped if no heads
     trees: list[str] = field(default_factory=list)  # one medusa method per tree file
+    # hydra/eagle checkpoints for methods hydra and eagle; a kind not given: the shipped one
+    drafters: list[str] = field(default_factory=list)
     limit: int | None = None  # first N prompts of each category
     turns: int | None = None  # None: every turn (MT-Bench style); 1: first turns only
     max_new_tokens: int = 256  # per turn
@@ -67,7 +71,7 @@ class BenchConfig:
     device: str = "auto"
     out: str | None = None  # None: bench_out/<timestamp>
     ngram_length: int = 8  # tokens of the n-gram branch of "+ngram" methods
-    tree_budget: int = 16  # nodes of the "dynamic" method's tree
+    tree_budget: int | None = None  # nodes of the "dynamic" method's tree (16) or a drafter's (its own)
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
 
@@ -86,8 +90,8 @@ class BenchConfig:
             base, plus, suffix = kind.partition("+")
             if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf"))):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
-                                  f"plain/medusa/dynamic optionally with {NGRAM}")
-        if self.ngram_length < 1 or self.tree_budget < 2:
+                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}")
+        if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
         if self.batch_sizes is not None and (not self.batch_sizes or any(
                 isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes)):
@@ -286,6 +290,23 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
     return record
 
 
+def drafter_folder(cfg: BenchConfig, kind: str) -> Path:
+    """The checkpoint of method `kind` (hydra/eagle): the --drafter folder of that kind, else the
+    one shipped for the built-in model."""
+    from .engine import shipped_heads
+
+    for folder in cfg.drafters:
+        path = Path(folder).expanduser()
+        if not drafters.is_drafter(path):
+            raise MedusaError(f"--drafter {folder}: no hydra/eagle checkpoint there (config.json naming its drafter)")
+        if json.loads((path / drafters.CONFIG_NAME).read_text())["drafter"] == kind:
+            return path
+    shipped = shipped_heads(cfg.model, kind)
+    if shipped is None:
+        raise MedusaError(f"method {kind} needs --drafter DIR holding a {kind} checkpoint: none is shipped for {cfg.model!r}")
+    return shipped
+
+
 def build_methods(cfg: BenchConfig):
     """Load the base (and heads) once -> (a MedusaModel, {method name: Generate}); no method
     with --batch-only. The model carries the heads whenever a method or the batch part needs them."""
@@ -304,7 +325,7 @@ def build_methods(cfg: BenchConfig):
     with_heads = {"medusa", "dynamic"} & {k.partition("+")[0] for k in kinds}
     want_heads = bool(with_heads or cfg.batch_sizes)
     if heads is None and want_heads and cfg.model in BUILTIN_MODELS:
-        heads = shipped_heads(cfg.model)
+        heads = shipped_heads(cfg.model, "medusa")
     if cfg.batch_sizes and heads is None:
         raise MedusaError(f"--batch-sizes compares plain and medusa, so it needs --heads: none are shipped for {cfg.model!r}")
     if with_heads and heads is None:
@@ -328,6 +349,10 @@ def build_methods(cfg: BenchConfig):
             methods[kind] = engine_method(model, True, cfg.temperature)
         elif name == "medusa" and not cfg.trees:
             model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=base.tree, **variant)
+            methods[kind] = engine_method(model, True, cfg.temperature)
+        elif name in DRAFTERS:
+            drafter = drafters.from_pretrained(drafter_folder(cfg, name), base.base)
+            model = MedusaModel(base.base, base.tokenizer, heads=drafter, **variant)
             methods[kind] = engine_method(model, True, cfg.temperature)
         elif name == "medusa":
             for tree, stem in zip(cfg.trees, stems):

@@ -29,7 +29,7 @@ def fail(message: str) -> None:
 
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: int = 16):
+               ngram: int = 0, tree_budget: Optional[int] = None, kind: Optional[str] = None):
     from .engine import MedusaModel, shipped_heads
 
     if no_medusa:
@@ -37,7 +37,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     elif heads is not None:
         heads_arg = heads
     else:
-        heads_arg = shipped_heads(model)  # None when nothing is shipped: plain decoding
+        heads_arg = shipped_heads(model, kind)  # None when nothing is shipped: plain decoding
         if heads_arg is None and model == DEFAULT_MODEL:
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
     from .config import NgramConfig
@@ -58,7 +58,7 @@ def generate(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
     tree: Optional[str] = typer.Option(None, "--tree", help="Tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one."),
-    tree_budget: int = typer.Option(16, "--tree-budget", help="Nodes of a dynamic tree, root included."),
+    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -81,7 +81,7 @@ def generate(
     SamplingConfig(**sampling)
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
-    if tree_budget < 2:
+    if tree_budget is not None and tree_budget < 2:
         fail(f"--tree-budget must be >= 2, got {tree_budget}")
     m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
@@ -90,7 +90,10 @@ def generate(
         sys.stdout.flush()
     sys.stdout.write("\n")
     shape = f"dynamic {m.tree.budget}-node tree" if hasattr(m.tree, "budget") else f"{m.tree.num_nodes}-node tree"
-    parts = [f"medusa ({shape})"] if m.heads is not None else []
+    kind = getattr(m.heads, "kind", "medusa")
+    if kind != "medusa":
+        shape = f"drafted {m.tree_budget or m.heads.config.draft_budget}-node tree"
+    parts = [f"{kind} ({shape})"] if m.heads is not None else []
     parts += [f"{m.ngram.length}-token n-gram branch"] if m.ngram and not no_medusa else []
     method = " + ".join(parts) or "plain"
     typer.echo(f"[{method}] {stream.stats.summary()}", err=True)
@@ -139,11 +142,15 @@ def serve(
         fail(f"--port must be in 1..65535, got {port}")
     if tree == "dynamic":
         fail("the server runs one static tree for the whole batch; pass a tree JSON file or no --tree")
+    from .drafters import is_drafter
+
     try:
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
-    m = load_model(model, heads, tree, dtype, device, no_medusa)
+    if heads is not None and is_drafter(heads):
+        fail("the batched server runs Medusa heads (a hydra/eagle drafter is single-sequence for now); pass Medusa heads or none")
+    m = load_model(model, heads, tree, dtype, device, no_medusa, kind="medusa")
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, max_tree_batch=max_tree_batch)
 
 
@@ -219,7 +226,9 @@ def train(
     out: Path = typer.Option(..., "--out", help="Folder for the heads, checkpoints, features, log.jsonl and metrics.json."),
     model: str = ModelOpt,
     data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file (e.g. from distill-data)."),
-    heads: int = typer.Option(4, "--heads", help="Number of heads K."),
+    drafter: str = typer.Option("medusa", "--drafter", help="medusa: heads on h_t; hydra: heads that also read their branch's tokens; eagle: a one-layer feature drafter."),
+    heads: int = typer.Option(4, "--heads", help="Number of heads K (hydra: the deepest level drafted)."),
+    unroll: int = typer.Option(3, "--unroll", help="eagle: training passes on its own predicted features (depths trained)."),
     layers: int = typer.Option(1, "--layers", help="Residual blocks per head."),
     inner_size: int = typer.Option(0, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
     own_lm_head: bool = typer.Option(False, "--own-lm-head", help="Train an LM head per head (large) instead of sharing the base's."),
@@ -243,12 +252,12 @@ def train(
     mixed_precision: str = typer.Option("auto", "--mixed-precision", help="no, bf16, fp16 or auto."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
 ) -> None:
-    """Train Medusa heads on a frozen base model (Medusa-1), on HF Accelerate."""
+    """Train Medusa heads, or a hydra/eagle drafter, on a frozen base model, on HF Accelerate."""
     from .config import TrainConfig
     from .train import metrics_table, train as run_training
 
     cfg = TrainConfig(
-        model=model, data=data, out=str(out), num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
+        model=model, data=data, out=str(out), drafter=drafter, unroll=unroll, num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
         targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, train_vocab=train_vocab, decay=decay, epochs=epochs, lr=lr,
         warmup_steps=warmup_steps, batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
         max_conversations=max_conversations, eval_conversations=eval_conversations, save_every=save_every,
@@ -266,10 +275,11 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, dynamic, hf, hf-pld; plain/medusa/dynamic+ngram add an n-gram branch (default: plain,medusa,hf,hf-pld; medusa only with heads)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (default: plain,medusa,hf,hf-pld; medusa only with heads)."),
     ngram: int = typer.Option(8, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
-    tree_budget: int = typer.Option(16, "--tree-budget", help="Nodes of the dynamic tree."),
+    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
+    drafter: list[Path] = typer.Option([], "--drafter", help="A hydra or eagle checkpoint (repeatable) for methods hydra/eagle; default: the shipped ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="First N prompts of each category."),
     turns: Optional[int] = typer.Option(None, "--turns", help="Turns per prompt (default: all; 1: first turns only)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Per turn."),
@@ -287,7 +297,7 @@ def bench(
 
     cfg = BenchConfig(
         model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,
-        methods=methods, trees=[str(t) for t in tree], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
+        methods=methods, trees=[str(t) for t in tree], drafters=[str(d) for d in drafter], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
         ngram_length=ngram, tree_budget=tree_budget,
         batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes is not None else None, batch_only=batch_only,

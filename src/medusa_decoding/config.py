@@ -112,15 +112,17 @@ class TrainConfig:
     model: str = DEFAULT_MODEL  # base model: alias, HF folder or .gguf
     data: str = "sharegpt"  # "sharegpt" or a JSON/JSONL file of ShareGPT-shaped records
     out: str = "runs/heads"  # heads, checkpoints, logs and metrics go here
-    num_heads: int = 4  # K
+    drafter: str = "medusa"  # "medusa" heads, "hydra" sequential heads, or an "eagle" feature drafter
+    num_heads: int = 4  # K (hydra: the deepest level it drafts)
     num_layers: int = 1  # blocks per head
-    inner_size: int = 0  # 0: Medusa's ResBlock; > 0: an MLP block of this inner width
+    inner_size: int = 0  # 0: Medusa's ResBlock; > 0: an MLP block of this inner width (hydra: 0 = 2 D)
     own_lm_head: bool = False  # train a full LM head per head instead of sharing the base's
     targets: str = "kd"  # "tokens": the data's next tokens; "kd": the base model's distribution
     feature_weight: float = 0.0  # EAGLE-style smooth-L1 of head k's feature onto the base's at t+k
     vocab_fraction: float = 1.0  # share of a batch's positions that pay the [V]-wide projection
     train_vocab: int = 0  # > 0: the vocabulary losses use only the most frequent label tokens
-    decay: float = 0.8  # head k's loss is weighted decay**(k-1)
+    decay: float = 0.8  # head k's (eagle: pass k's) loss is weighted decay**(k-1)
+    unroll: int = 3  # eagle: passes that read their own predicted features (training-time test)
     epochs: float = 1.0  # passes over the training positions (fractions allowed)
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -139,6 +141,10 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
+        if self.drafter not in ("medusa", "hydra", "eagle"):
+            raise MedusaError(f"unknown drafter {self.drafter!r}; use medusa, hydra or eagle")
+        if self.unroll < 1:
+            raise MedusaError(f"unroll must be >= 1, got {self.unroll}")
         if self.targets not in ("tokens", "kd"):
             raise MedusaError(f"unknown targets {self.targets!r}; use tokens or kd")
         for name in ("num_heads", "num_layers", "batch_size", "grad_accum", "max_length", "save_every"):

@@ -16,9 +16,10 @@ import torch
 from .acceptance import accept
 from .cache import keep_path, new_cache
 from .config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from .drafters import DraftSession, EagleDrafter, HydraHeads
 from .heads import MedusaHeads
 from .proposers import NgramProposer
-from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, select_tree, tree_tokens
+from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, select_tree, tree_from_parents, tree_tokens
 
 ROOT_ONLY = build_tree([])
 
@@ -142,18 +143,21 @@ class StepTrees:
 def decode(
     model,
     input_ids: torch.Tensor,
-    heads: MedusaHeads | None,
+    heads: MedusaHeads | HydraHeads | EagleDrafter | None,
     tree: TreeBuffers | DynamicTree,
     generation: GenerationConfig,
     sampling: SamplingConfig,
     eos_token_ids: set[int],
     stats: GenerationStats,
     ngram: NgramConfig | None = None,
+    draft_budget: int | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step (a list of ids) for one prompt, input_ids [1, T].
 
     heads None: no head candidates (plain decoding, or prompt lookup alone with `ngram`).
     tree: a static tree, or a DynamicTree re-selected every step from the heads' probabilities.
+    A path-aware drafter (HydraHeads, EagleDrafter) drafts its own tree every step instead, of
+    draft_budget nodes (default: the drafter's own).
     ngram: add a branch of tokens copied from the context whenever its last tokens recur.
     Stops after an EOS token (emitted), at max_new_tokens or at the context length; `stats` is
     filled in as it goes. Greedy output is token-identical to plain decoding whatever the drafts.
@@ -168,11 +172,15 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    session = DraftSession(heads, model, budget=draft_budget) if isinstance(heads, (HydraHeads, EagleDrafter)) else None
+    if session is not None:
+        heads, tree = None, ROOT_ONLY
     trees = StepTrees(tree if heads is not None else ROOT_ONLY, ngram.length if ngram else 0, model.dtype, device)
     lm_head = model.get_output_embeddings()
     ngram_proposer = NgramProposer(ngram) if ngram is not None else None
     stats.prompt_tokens = prompt_len
-    stats.accepted_per_depth = [0] * trees.depth_limit
+    depth_limit = max(trees.depth_limit, session.depth if session else 0, ngram.length if ngram else 0)
+    stats.accepted_per_depth = [0] * depth_limit
 
     # Prefill: the prompt's last position gives the first token (the first root) and the
     # hidden state the heads read for the first tree.
@@ -183,6 +191,8 @@ def decode(
         logits, hidden = forward(model, input_ids, positions, None, cache, last_only=True)
         first = accept(input_ids[0, -1:], logits, ROOT_ONLY, sampling, generator)
     root, last_hidden = first.bonus, hidden[-1]  # [], [D]
+    if session is not None:
+        session.advance(hidden, torch.cat([input_ids[0, 1:], root.reshape(1)]))
     prefix = prompt_len  # tokens in the cache; the root is emitted but not yet cached
     token = int(root)
     context = np.array(input_ids[0].tolist() + [token], dtype=np.int64)  # for the n-gram proposer
@@ -199,7 +209,12 @@ def decode(
             #    when the context's last tokens occurred before; the step's tree takes both
             copied = ngram_proposer.propose(context) if ngram_proposer else None
             with_ngram = copied is not None and len(copied) > 0
-            if prefix + trees.depth_limit + 2 <= ctx:
+            if session is not None and prefix + depth_limit + 2 <= ctx:
+                draft = session.propose(root)
+                step_tree = tree_from_parents(draft.parent, draft.depth, draft.max_depth,
+                                              ngram.length if with_ngram else 0)
+                bias, head_topk = tree_bias(step_tree, model.dtype, device), None
+            elif session is None and prefix + trees.depth_limit + 2 <= ctx:
                 head_logits = None
                 if heads is not None:
                     head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
@@ -207,7 +222,10 @@ def decode(
             else:  # too close to the context end for a tree
                 step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
             ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
-            tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
+            if session is not None and step_tree.num_nodes > 1:
+                tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]
+            else:
+                tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
             mask = None
             if step_tree.num_nodes > 1:
                 mask = torch.cat([bias.new_zeros(len(tokens), prefix), bias], dim=1)[None, None]  # [1, 1, N, prefix + N]
@@ -217,8 +235,10 @@ def decode(
             result = accept(tokens, logits, step_tree, sampling, generator)
             # 4. commit: keep the accepted path's cache entries; the bonus is the next root
             keep_path(cache, prefix, result.nodes)
-        # one host read: the accepted candidates and the bonus token
-        new = torch.cat([tokens[result.nodes[1:]], result.bonus.reshape(1)]).tolist()
+            emitted = torch.cat([tokens[result.nodes[1:]], result.bonus.reshape(1)])  # [A]
+            if session is not None:  # the drafter reads the verified features of the accepted path
+                session.advance(hidden[result.nodes], emitted)
+        new = emitted.tolist()  # one host read: the accepted candidates and the bonus token
         prefix += len(new)
         root, last_hidden = result.bonus, hidden[result.nodes[-1]]
         stats.steps += 1

@@ -18,6 +18,8 @@ import torch
 
 from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .decode import GenerationStats, decode
+from . import drafters
+from .drafters import EagleDrafter, HydraHeads
 from .heads import MedusaHeads
 from .models import load_base
 from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, validate_paths
@@ -25,16 +27,21 @@ from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
 DYNAMIC = "dynamic"  # tree= this: a tree re-selected every step from the heads' probabilities
 DYNAMIC_WIDTH, DYNAMIC_DEPTH = 4, 4  # its universe: ranks < 4 of up to 4 heads (340 paths)
+DEFAULT_BUDGET = 16  # nodes of a dynamic tree, root included
 
 
-def shipped_heads(alias: str) -> Path | None:
-    """The heads shipped inside the package for a built-in model, if any."""
+def shipped_heads(alias: str, kind: str | None = None) -> Path | None:
+    """The drafter shipped inside the package for a built-in model, if any: Medusa heads in
+    weights/<alias>/, hydra and eagle drafters in weights/<alias>/<kind>/. kind None: the
+    default one (weights/<alias>/default.txt names it; Medusa heads without it)."""
     from .models import BUILTIN_MODELS
 
     if alias not in BUILTIN_MODELS:
         return None
-    folder = resources.files("medusa_decoding") / "weights" / alias
-    path = Path(str(folder))
+    root = Path(str(resources.files("medusa_decoding") / "weights" / alias))
+    if kind is None:
+        kind = (root / "default.txt").read_text().strip() if (root / "default.txt").is_file() else "medusa"
+    path = root if kind == "medusa" else root / kind
     return path if (path / "config.json").is_file() else None
 
 
@@ -95,18 +102,24 @@ class TextStream:
 
 
 class MedusaModel:
-    """A base causal LM, optional Medusa heads, a candidate tree, an optional n-gram branch."""
+    """A base causal LM, an optional drafter (Medusa heads, or a path-aware hydra/eagle drafter
+    that drafts its own tree every step), a candidate tree, an optional n-gram branch."""
 
     def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = "",
-                 ngram: NgramConfig | bool | None = None, tree_budget: int = 16):
+                 ngram: NgramConfig | bool | None = None, tree_budget: int | None = None):
         self.base = base
-        self.tree_budget = tree_budget
+        self.tree_budget = tree_budget  # None: 16 for a dynamic tree, the checkpoint's for a drafter
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.tokenizer = tokenizer
         self.name = name or base.config.name_or_path
         self.heads = None
         self.tree = build_tree([])
-        if heads is not None:
+        if isinstance(heads, (HydraHeads, EagleDrafter)):
+            heads.check_fits(base)
+            if isinstance(tree, (str, Path, list, tuple)) and tree != DYNAMIC:
+                raise MedusaError(f"a {heads.kind} drafter drafts its own tree every step; give no tree file")
+            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
+        elif heads is not None:
             heads.check_fits(base)
             self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
             self.tree = self._fit_tree(tree)
@@ -127,7 +140,7 @@ class MedusaModel:
                 raise MedusaError(f"the dynamic tree reads {tree.universe.max_depth} heads but there are only {k}")
             return tree
         if tree == DYNAMIC:
-            return dynamic_tree(DYNAMIC_WIDTH, min(k, DYNAMIC_DEPTH), self.tree_budget)
+            return dynamic_tree(DYNAMIC_WIDTH, min(k, DYNAMIC_DEPTH), self.tree_budget or DEFAULT_BUDGET)
         paths = tree.paths if isinstance(tree, TreeBuffers) else (
             load_tree_file(tree) if isinstance(tree, (str, Path)) else validate_paths(tree)
         )
@@ -146,7 +159,7 @@ class MedusaModel:
         base: str = DEFAULT_MODEL,
         heads: str | Path | MedusaHeads | None = None,
         tree: str | Path | Sequence[Sequence[int]] | None = None,
-        tree_budget: int = 16,
+        tree_budget: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
         attn_implementation: str = "sdpa",
@@ -158,14 +171,17 @@ class MedusaModel:
         package ships for a built-in model. tree: paths or a JSON file; by default the heads'
         calibrated tree.json when present, else the built-in default tree; "dynamic" re-selects
         the tree_budget most probable nodes every step. ngram: True (or an NgramConfig) adds a
-        prompt-lookup branch to every tree.
+        prompt-lookup branch to every tree. A hydra/eagle checkpoint drafts its own tree every
+        step (tree_budget nodes; default: the checkpoint's).
         """
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if heads == "shipped":
             heads = shipped_heads(base)
             if heads is None:
                 raise MedusaError(f"no heads are shipped for {base!r}; pass a heads folder or heads=None")
-        if isinstance(heads, (str, Path)):
+        if isinstance(heads, (str, Path)) and drafters.is_drafter(Path(heads).expanduser()):
+            heads = drafters.from_pretrained(heads, model)
+        elif isinstance(heads, (str, Path)):
             folder = Path(heads).expanduser()
             heads = MedusaHeads.from_pretrained(folder)
             if tree is None and (folder / TREE_NAME).is_file():
@@ -209,7 +225,7 @@ class MedusaModel:
         heads = self.heads if use_medusa else None
         ngram = self.ngram if use_medusa else None
         tokens = decode(self.base, input_ids, heads, self.tree, generation, sampling_config,
-                        self.eos_token_ids, stats, ngram=ngram)
+                        self.eos_token_ids, stats, ngram=ngram, draft_budget=self.tree_budget)
         return TextStream(self.tokenizer, tokens, stats, generation, self.eos_token_ids)
 
     def generate(self, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationOutput:

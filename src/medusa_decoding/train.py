@@ -33,6 +33,8 @@ from safetensors.torch import load_file, save_file
 
 from .config import MedusaError, TrainConfig
 from .data import conversations, tokenize_conversation
+from .drafters import EagleDrafter, HydraHeads, Shortlist
+from .drafters import for_base as drafter_for_base
 from .heads import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class Positions:
     labels: torch.Tensor
     # [P, K] long: index into `hidden` of h[t+k], whose LM-head output predicts token t+k+1
     target_index: torch.Tensor
+    # [H] long: the token of every cached position (hydra heads read the branch's tokens)
+    ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.index.numel()
@@ -124,7 +128,7 @@ def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path,
 
 def load_positions(shards: list[Path], num_heads: int) -> Positions:
     """Shards -> Positions: every token t with at least one learnable head label."""
-    hidden, index, labels, targets = [], [], [], []
+    hidden, index, labels, targets, all_ids = [], [], [], [], []
     base = 0
     steps = torch.arange(2, num_heads + 2)  # [K]: head k's label is token t+k+1 = t + (k-1) + 2
     for shard in shards:
@@ -141,27 +145,40 @@ def load_positions(shards: list[Path], num_heads: int) -> Positions:
             labels.append(torch.where(valid, ids[pos_c], IGNORE)[keep])
             targets.append((base + pos_c - 1)[keep])
         hidden.append(data["hidden"])
+        all_ids.append(ids)
         base += data["hidden"].shape[0]
     if not index:
         raise MedusaError("no training positions: the data has no assistant tokens")
-    return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets))
+    return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets), torch.cat(all_ids))
+
+
+def path_ids(pos: Positions, idx: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The tokens after each position t of idx [B]: x_{t+1} .. x_{t+K} -> [B, K] (clamped at the
+    end of the cache; those heads have no label there)."""
+    at = pos.index[idx, None] + torch.arange(1, num_heads + 1)  # [B, K]
+    return pos.ids[at.clamp(max=pos.ids.numel() - 1)]
 
 
 def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainConfig,
-                label_map: torch.Tensor | None = None):
+                label_map: torch.Tensor | None = None, embed: torch.nn.Module | None = None):
     """Loss and per-head top-1 on a batch of positions idx [B] -> (loss [], top1 [K]).
 
     The V-wide terms (tokens or kd) use the first ceil(vocab_fraction * B) positions of the
     (already shuffled) batch; the feature term, when weighted, uses all of them. With a
     shortlist, lm_head projects onto its V' tokens and label_map [V] takes a token to its
-    index there (IGNORE outside it)."""
+    index there (IGNORE outside it). Hydra heads also read the embeddings (`embed`, the base's
+    input embedding) of the tokens after t."""
     h = pos.hidden[pos.index[idx]].float()  # [B, D]
     labels = pos.labels[idx]  # [B, K]
     if label_map is not None:
         labels = torch.where(labels == IGNORE, IGNORE, label_map[labels.clamp(min=0)])
     target_h = pos.hidden[pos.target_index[idx]].float()  # [B, K, D]
     n_vocab = max(1, math.ceil(cfg.vocab_fraction * idx.numel()))
-    feats, logits = heads(h, lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
+    if embed is not None:  # hydra heads (maybe wrapped for distributed training)
+        feats = heads(h, embed(path_ids(pos, idx, labels.shape[1])).float())  # [K, B, D]
+        logits = lm_head(feats[:, :n_vocab])  # [K, b, V]
+    else:
+        feats, logits = heads(h, lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
     loss = logits.new_zeros(())
     top1 = []
     for k in range(logits.shape[0]):
@@ -201,21 +218,149 @@ def shortlist_head(lm_head: torch.nn.Module, labels: torch.Tensor, size: int):
 
 
 @torch.no_grad()
-def evaluate(heads, lm_head, pos: Positions, batch_size: int = 512, topk: int = 5) -> dict:
-    """Top-1 and top-5 accuracy of each head on labelled positions."""
+def evaluate(heads, lm_head, pos: Positions, batch_size: int = 512, topk: int = 5,
+             embed: torch.nn.Module | None = None, short: Shortlist | None = None) -> dict:
+    """Top-1 and top-5 accuracy of each head on labelled positions. Hydra heads (with `embed`)
+    read the true branch tokens and rank only their shortlist `short`, as at inference."""
     k_heads = pos.labels.shape[1]
     hits1, hits5, count = torch.zeros(k_heads), torch.zeros(k_heads), torch.zeros(k_heads)
     for start in range(0, len(pos), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(pos)))
-        logits = heads(pos.hidden[pos.index[idx]].float(), lm_head)  # [K, B, V]
+        h = pos.hidden[pos.index[idx]].float()  # [B, D]
+        if isinstance(heads, HydraHeads):
+            feats = heads(h, embed(path_ids(pos, idx, heads.config.num_heads)).float())  # [K, B, D]
+            top = short.vocab[short.log_probs(feats).topk(topk, dim=-1).indices]  # [K, B, topk]
+        else:
+            top = heads(h, lm_head).topk(topk, dim=-1).indices  # [K, B, topk]
         labels = pos.labels[idx]  # [B, K]
-        top = logits.topk(topk, dim=-1).indices  # [K, B, topk]
         for k in range(k_heads):
             valid = labels[:, k] != IGNORE
             hit = top[k][valid] == labels[valid, k, None]  # [b, topk]
             hits1[k] += hit[:, 0].sum()
             hits5[k] += hit.any(-1).sum()
             count[k] += valid.sum()
+    count = count.clamp(min=1)
+    return {"top1": (hits1 / count).tolist(), "top5": (hits5 / count).tolist(), "positions": count.long().tolist()}
+
+
+@dataclass
+class Sequences:
+    """Whole cached conversations, for a drafter that attends over the sequence (eagle)."""
+
+    hidden: torch.Tensor  # [H, D]
+    ids: torch.Tensor  # [H] long
+    mask: torch.Tensor  # [H] bool: assistant tokens
+    spans: torch.Tensor  # [C, 2] long: (start, end) of each conversation in H
+
+    def __len__(self) -> int:
+        return self.spans.shape[0]
+
+
+def load_sequences(shards: list[Path]) -> Sequences:
+    hidden, ids, mask, spans, base = [], [], [], [], 0
+    for shard in shards:
+        data = load_file(shard)
+        offsets = data["offsets"]
+        spans.append(torch.stack([offsets[:-1], offsets[1:]], dim=-1) + base)
+        hidden.append(data["hidden"])
+        ids.append(data["ids"])
+        mask.append(data["mask"].bool())
+        base += data["hidden"].shape[0]
+    if not spans:
+        raise MedusaError("no training conversations")
+    return Sequences(torch.cat(hidden), torch.cat(ids), torch.cat(mask), torch.cat(spans))
+
+
+def eagle_batch(seq: Sequences, idx: torch.Tensor):
+    """Conversations idx [B] -> inputs and targets, padded to T = longest - 1:
+    features [B, T, D] f_t, tokens [B, T] x_{t+1}, target [B, T, D] f_{t+1}, labels [B, T] x_{t+2}
+    (IGNORE where x_{t+2} is not an assistant token, or past the end)."""
+    spans = seq.spans[idx]  # [B, 2]
+    lengths = spans[:, 1] - spans[:, 0]  # [B]
+    t_max = int(lengths.max()) - 1
+    t = torch.arange(t_max)  # [T]
+    at = (spans[:, :1] + t).clamp(max=seq.ids.numel() - 3)  # [B, T] index of f_t
+    inside = t < (lengths[:, None] - 1)  # [B, T] x_{t+1} exists
+    labelled = (t < (lengths[:, None] - 2)) & seq.mask[(at + 2).clamp(max=seq.ids.numel() - 1)]
+    features = seq.hidden[at] * inside[..., None]
+    tokens = torch.where(inside, seq.ids[at + 1], 0)
+    target = seq.hidden[at + 1]
+    labels = torch.where(labelled, seq.ids[at + 2], IGNORE)
+    return features, tokens, target, labels
+
+
+def ttt_mask(t: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of unrolled pass `step` (0: the true features) -> [1, 1, T, (step+1) T].
+
+    Pass a at position t reads the feature that pass a-1 predicted at t-1, exactly as a depth-a
+    tree node does at inference: it sees the true prefix up to t - a (pass 0's keys), its
+    ancestors (pass b's key at t - (a - b)) and itself."""
+    blocks = [torch.ones(t, t, dtype=torch.bool).tril(-step)]
+    for b in range(1, step + 1):
+        off = -(step - b)
+        blocks.append(torch.ones(t, t, dtype=torch.bool).tril(off).triu(off))
+    see = torch.cat(blocks, dim=1)
+    return torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, torch.finfo(dtype).min)[None, None]
+
+
+def eagle_losses(drafter: EagleDrafter, short_head, label_map: torch.Tensor, embed, seq: Sequences,
+                 idx: torch.Tensor, cfg: TrainConfig, short_vocab: torch.Tensor):
+    """Loss and per-pass top-1 of `cfg.unroll` passes over conversations idx [B] -> (loss [], top1 [passes]).
+
+    Pass 0 reads the true features; pass a reads pass a-1's predictions (training-time test, as
+    EAGLE-3): its accuracy is that of depth-(a+1) nodes. Each pass: KL to the base's own
+    distribution at t+1 (or CE to the data's token) over the shortlist, plus feature_weight x
+    smooth-L1 onto f_{t+1}; pass a is weighted decay**a."""
+    features, tokens, target, labels = eagle_batch(seq, idx)
+    b, t, d = features.shape
+    embeds = embed(tokens).float()  # [B, T, D]
+    position_ids = torch.arange(t)[None].expand(b, t)
+    valid_all = labels != IGNORE  # [B, T]
+    with torch.no_grad():
+        target_log_p = torch.log_softmax(short_head(target[valid_all].float()).float(), -1)  # [n, V']
+    cache = drafter.new_cache()
+    x = features.float()
+    loss, top1 = features.new_zeros((), dtype=torch.float32), []
+    for a in range(cfg.unroll):
+        out = drafter(x, embeds, position_ids, ttt_mask(t, a, torch.float32), cache)  # [B, T, D]
+        valid = valid_all.clone()
+        valid[:, :a] = False
+        rows = valid[valid_all]  # which of target_log_p's rows count in this pass
+        logits = short_head(out[valid]).float()  # [n', V']
+        if cfg.targets == "tokens":
+            term = F.cross_entropy(logits, label_map[labels[valid]], ignore_index=IGNORE)  # outside V': no term
+        else:
+            term = F.kl_div(torch.log_softmax(logits, -1), target_log_p[rows], log_target=True, reduction="batchmean")
+        if cfg.feature_weight > 0:
+            term = term + cfg.feature_weight * F.smooth_l1_loss(out[valid].float(), target[valid].float())
+        loss = loss + cfg.decay**a * term
+        top1.append((short_vocab[logits.argmax(-1)] == labels[valid]).float().mean().detach())
+        x = torch.cat([x.new_zeros(b, 1, d), out[:, :-1]], dim=1)  # pass a+1 at t reads pass a's output at t-1
+    return loss, torch.stack(top1)
+
+
+@torch.no_grad()
+def evaluate_eagle(drafter: EagleDrafter, short: Shortlist, embed, seq: Sequences, cfg: TrainConfig,
+                   batch_convs: int = 4) -> dict:
+    """Top-1 / top-5 of each unrolled pass (depth) on held-out conversations, over the shortlist."""
+    passes = cfg.unroll
+    hits1, hits5, count = torch.zeros(passes), torch.zeros(passes), torch.zeros(passes)
+    for start in range(0, len(seq), batch_convs):
+        idx = torch.arange(start, min(start + batch_convs, len(seq)))
+        features, tokens, _, labels = eagle_batch(seq, idx)
+        b, t, d = features.shape
+        embeds, position_ids, cache = embed(tokens).float(), torch.arange(t)[None].expand(b, t), drafter.new_cache()
+        x = features.float()
+        for a in range(passes):
+            out = drafter(x, embeds, position_ids, ttt_mask(t, a, torch.float32), cache)
+            valid = labels != IGNORE
+            valid[:, :a] = False
+            top = short.vocab[short.log_probs(out[valid]).topk(5, dim=-1).indices]  # [n, 5]
+            hit = top == labels[valid][:, None]
+            hits1[a] += hit[:, 0].sum()
+            hits5[a] += hit.any(-1).sum()
+            count[a] += valid.sum()
+            x = torch.cat([x.new_zeros(b, 1, d), out[:, :-1]], dim=1)
     count = count.clamp(min=1)
     return {"top1": (hits1 / count).tolist(), "top5": (hits5 / count).tolist(), "positions": count.long().tolist()}
 
@@ -277,22 +422,45 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     if is_main:
         log.info("data: %s", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     lm_head = base.get_output_embeddings()
-    heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
+    embed = base.get_input_embeddings().float().requires_grad_(False)
+    if cfg.drafter == "medusa":
+        heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
+    else:
+        heads = drafter_for_base(cfg.drafter, base, cfg.model, num_heads=cfg.num_heads,
+                                 inner_size=cfg.inner_size or 2 * base.config.get_text_config().hidden_size,
+                                 shortlist_size=cfg.train_vocab or 8192)
     heads = heads.float().train()
     lm_head.float().requires_grad_(False)
     del base
     pos = load_positions(train_shards, cfg.num_heads)
     train_head, label_map = lm_head, None
-    if cfg.train_vocab and not cfg.own_lm_head:
-        train_head, label_map = shortlist_head(lm_head, pos.labels, cfg.train_vocab)
+    if cfg.drafter != "medusa" or (cfg.train_vocab and not cfg.own_lm_head):
+        size = heads.config.shortlist_size if cfg.drafter != "medusa" else cfg.train_vocab
+        train_head, label_map = shortlist_head(lm_head, pos.labels, size)
+        if cfg.drafter != "medusa":  # the drafter proposes only these tokens at inference
+            heads.vocab.copy_(torch.nonzero(label_map != IGNORE)[:, 0])
         if is_main:
-            log.info("vocabulary losses on the %d most frequent label tokens", cfg.train_vocab)
+            log.info("vocabulary losses on the %d most frequent label tokens", size)
+    if cfg.drafter == "eagle":
+        seq = load_sequences(train_shards)
+        del pos
+        items, short_vocab = len(seq), heads.vocab.clone()
+        per_step = max(1, round(cfg.batch_size / float((seq.spans[:, 1] - seq.spans[:, 0]).float().mean())))
+
+        def batch_loss(idx):
+            return eagle_losses(heads, train_head, label_map, embed, seq, idx, cfg, short_vocab)
+    else:
+        items, per_step = len(pos), cfg.batch_size
+
+        def batch_loss(idx):
+            return head_losses(heads, train_head, pos, idx, cfg, label_map, embed if cfg.drafter == "hydra" else None)
 
     # 2. train
     world, rank = accelerator.num_processes, accelerator.process_index
-    steps_per_epoch = len(pos) // (cfg.batch_size * world)
+    steps_per_epoch = items // (per_step * world)
     if steps_per_epoch < 1:
-        raise MedusaError(f"{len(pos)} training positions are fewer than one batch of {cfg.batch_size * world}")
+        unit = "conversations" if cfg.drafter == "eagle" else "training positions"
+        raise MedusaError(f"{items} {unit} are fewer than one batch of {per_step * world}")
     total_steps = max(1, math.floor(steps_per_epoch * cfg.epochs))
     optimizer = torch.optim.AdamW(
         (p for p in heads.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -324,12 +492,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
         while step < total_steps:
             epoch, offset = divmod(step, steps_per_epoch)
             if epoch != order_epoch:  # the same order on every process and after a resume
-                order = torch.randperm(len(pos), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+                order = torch.randperm(items, generator=torch.Generator().manual_seed(cfg.seed + epoch))
                 order_epoch = epoch
-            start = (offset * world + rank) * cfg.batch_size
-            idx = order[start : start + cfg.batch_size]
+            start = (offset * world + rank) * per_step
+            idx = order[start : start + per_step]
             with accelerator.accumulate(heads), accelerator.autocast():
-                loss, top1 = head_losses(heads, train_head, pos, idx, cfg, label_map)
+                loss, top1 = batch_loss(idx)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
@@ -338,7 +506,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
                     scheduler.step()
                 optimizer.zero_grad()
             step += 1
-            seen += idx.numel() * world
+            seen += (idx.numel() if cfg.drafter != "eagle" else int((seq.spans[idx, 1] - seq.spans[idx, 0]).sum())) * world
             bar.update(1)
             if step % cfg.log_every == 0 or step == total_steps:
                 record = {"step": step, "epoch": step / steps_per_epoch, "loss": loss.item(),
@@ -364,10 +532,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     # 3. evaluate on held-out conversations, save the heads
     save_checkpoint()
     unwrapped = accelerator.unwrap_model(heads).eval()
-    metrics = {"train_positions": len(pos), "steps": step, "data": dict(counts),
+    metrics = {"drafter": cfg.drafter, "train_items": items, "steps": step, "data": dict(counts),
                "weights_sha256_per_process": gather_object([weights_digest(unwrapped)])}
-    if eval_shards:
-        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads))
+    if eval_shards and cfg.drafter == "eagle":
+        metrics["eval"] = evaluate_eagle(unwrapped, Shortlist(lm_head, unwrapped.vocab), embed,
+                                         load_sequences(eval_shards), cfg)
+    elif eval_shards:
+        short = Shortlist(lm_head, unwrapped.vocab) if cfg.drafter == "hydra" else None
+        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads), embed=embed,
+                                   short=short)
     if is_main:
         unwrapped.save_pretrained(out)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

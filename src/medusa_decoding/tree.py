@@ -198,6 +198,30 @@ def select_tree(dyn: DynamicTree, log_probs: torch.Tensor, with_ngram: bool) -> 
     )
 
 
+def tree_from_parents(parent: torch.Tensor, depth: torch.Tensor, max_depth: int, ngram_length: int = 0) -> TreeBuffers:
+    """A drafted tree -> TreeBuffers, by tensor ops (one pass per depth, none per node).
+
+    parent [N] long (-1 for the root, parents before children), depth [N] long, max_depth its
+    deepest level; ngram_length > 0 appends an n-gram chain under the root (its nodes last).
+    Drafted trees carry their tokens themselves: candidate_index is empty."""
+    device = parent.device
+    if ngram_length:
+        n0 = parent.shape[0]
+        chain = torch.arange(n0, n0 + ngram_length, device=device)
+        parent = torch.cat([parent, torch.cat([chain.new_zeros(1), chain[:-1]])])
+        depth = torch.cat([depth, torch.arange(1, ngram_length + 1, device=device)])
+    n = parent.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    for d in range(1, max(max_depth, ngram_length) + 1):
+        rows = (depth == d).nonzero()[:, 0]
+        mask[rows] |= mask[parent[rows]]
+    return TreeBuffers(
+        paths=(), mask=mask, depth=depth, parent=parent, candidate_index=parent.new_zeros(0),
+        retrieve=root_paths(mask, depth, parent, longest=max(max_depth, ngram_length) + 1), topk=0,
+        max_depth=max_depth, ngram_length=ngram_length,
+    )
+
+
 def tree_tokens(tree: TreeBuffers, root: torch.Tensor, head_topk: torch.Tensor | None,
                 ngram: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens of every node: root [] long, head_topk [K, topk] long (None without head

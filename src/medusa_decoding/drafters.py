@@ -1,0 +1,380 @@
+"""Path-aware drafters: each tree node's children are guessed from that node's own branch.
+
+Glossary: T time, N tree nodes (root first), W frontier width (nodes expanded per depth),
+K heads, D hidden size, V vocabulary, V' the drafter's shortlist of V.
+
+Medusa heads guess every depth from h_t alone. These two see the branch they extend:
+  - HydraHeads (`hydra`): head k reads h_t and the embeddings of the branch's tokens
+    x_{t+1} (the root) .. x_{t+k}, and guesses x_{t+k+1}: an MLP per head, no recurrence.
+  - EagleDrafter (`eagle`): one decoder layer of the base's own architecture (fresh weights)
+    reads fc([f_t ; embed(x_{t+1})]) with causal attention over the sequence and predicts the
+    next feature f_{t+1}; deeper nodes feed the drafter its own predicted features. It keeps a
+    KV cache of its own, as the base does.
+Both end in the base's frozen LM head, restricted to a shortlist of V' frequent tokens (kept
+in the checkpoint): a drafter never proposes a token outside it, which costs acceptance only,
+never exactness (the base verifies every candidate), and makes each depth ~V/V' cheaper.
+
+Both draft with EAGLE-2's rule (`grow_tree`): expand the W best nodes of each depth by their
+cumulative log-probability, then keep the budget - 1 best nodes of all depths. A child never
+scores above its parent, so the kept nodes form a tree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import DEFAULT_MODEL, MedusaError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DRAFTERS = ("hydra", "eagle")
+
+
+@dataclass
+class DrafterConfig:
+    """A path-aware drafter's shape and its drafting defaults; saved as config.json."""
+
+    drafter: str = "eagle"  # "hydra" or "eagle"
+    hidden_size: int = 576  # D, must equal the base's
+    vocab_size: int = 49152  # V, must equal the base's
+    base_model_name_or_path: str = DEFAULT_MODEL
+    shortlist_size: int = 8192  # V': tokens the drafter may propose (ids stored with the weights)
+    num_heads: int = 4  # hydra: K heads, so at most K depths
+    inner_size: int = 1152  # hydra: the MLP's inner width
+    # drafting defaults (EAGLE-2's rule): depths drafted, nodes expanded per depth, nodes kept
+    draft_depth: int = 4
+    draft_width: int = 4
+    draft_budget: int = 16  # root included
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise MedusaError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)} (or medusa heads)")
+        if self.draft_depth < 1 or self.draft_width < 1 or self.draft_budget < 2:
+            raise MedusaError("drafting needs depth >= 1, width >= 1 and a budget of at least 2 nodes")
+        if self.drafter == "hydra" and self.draft_depth > self.num_heads:
+            self.draft_depth = self.num_heads
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DrafterConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class DraftTree:
+    """One step's drafted tree, the root first, parents before children."""
+
+    tokens: torch.Tensor  # [N] long
+    parent: torch.Tensor  # [N] long, -1 for the root
+    depth: torch.Tensor  # [N] long, 0 for the root
+    score: torch.Tensor  # [N] float: the drafter's cumulative log-probability of each node's branch
+    max_depth: int
+
+
+def grow_tree(first: torch.Tensor, expand, width: int, depth: int, budget: int) -> tuple[torch.Tensor, ...]:
+    """EAGLE-2's rule on any drafter.
+
+    first [V'] log-probs of the depth-1 tokens; expand(frontier [W] node ids, tokens [n], parent
+    [n]) -> log-probs [W, V'] of the frontier's children (node ids index the drafted nodes, 0 is
+    the root). Returns (tokens [N] shortlist indices, parent [N], depth [N], score [N]) of the
+    kept nodes, root first and parents before children; the root's token is a placeholder (0).
+    """
+    device = first.device
+    score, top = first.float().topk(min(width, first.shape[-1]))  # [W]
+    tokens = [first.new_zeros(1, dtype=torch.long), top]
+    parents = [torch.full((1,), -1, dtype=torch.long, device=device), torch.zeros_like(top)]
+    scores = [torch.zeros(1, device=device), score]
+    depths = [torch.zeros(1, dtype=torch.long, device=device), torch.ones_like(top)]
+    frontier, frontier_score, n = torch.arange(1, 1 + len(top), device=device), score, 1 + len(top)
+    for d in range(2, depth + 1):
+        log_probs = expand(frontier, torch.cat(tokens), torch.cat(parents))  # [W, V']
+        child_score, child = log_probs.float().topk(min(width, log_probs.shape[-1]), dim=-1)  # [W, W] each
+        cum = (frontier_score[:, None] + child_score).reshape(-1)  # [W * W]
+        tokens.append(child.reshape(-1))
+        parents.append(frontier[:, None].expand_as(child).reshape(-1))
+        scores.append(cum)
+        depths.append(torch.full_like(cum, d, dtype=torch.long))
+        best = cum.topk(min(width, cum.numel())).indices  # the next frontier
+        frontier, frontier_score = n + best, cum[best]
+        n += cum.numel()
+    score_all, depth_all = torch.cat(scores), torch.cat(depths)
+    ranked = score_all[1:] - 1e-4 * depth_all[1:].float()  # ties go to the shallower node
+    keep = ranked.topk(min(budget - 1, n - 1)).indices.sort().values + 1  # parents first
+    nodes = torch.cat([keep.new_zeros(1), keep])  # [N]
+    remap = torch.full((n,), -1, dtype=torch.long, device=device)
+    remap[nodes] = torch.arange(len(nodes), device=device)
+    parent_all = torch.cat(parents)
+    parent = torch.where(parent_all[nodes] >= 0, remap[parent_all[nodes].clamp(min=0)], -1)
+    return torch.cat(tokens)[nodes], parent, depth_all[nodes], score_all[nodes]
+
+
+class Shortlist:
+    """The base LM head restricted to the drafter's V' tokens: feature [..., D] -> log-probs [..., V']."""
+
+    def __init__(self, lm_head: nn.Module, vocab: torch.Tensor):
+        self.vocab = vocab.to(lm_head.weight.device)  # [V'] token ids
+        self.weight = lm_head.weight[self.vocab]  # [V', D]
+
+    def log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((features.to(self.weight.dtype) @ self.weight.T).float(), dim=-1)
+
+
+class _Drafter(nn.Module):
+    """What both drafters share: config, shortlist ids, checks, saving."""
+
+    config: DrafterConfig
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        # the token ids the drafter may propose; filled by training (most frequent labels)
+        self.register_buffer("vocab", torch.arange(config.shortlist_size, dtype=torch.long))
+
+    @property
+    def kind(self) -> str:
+        return self.config.drafter
+
+    def check_fits(self, base_model) -> None:
+        cfg = base_model.config.get_text_config()
+        mine = (self.config.hidden_size, self.config.vocab_size)
+        base = (cfg.hidden_size, cfg.vocab_size)
+        if mine != base:
+            raise MedusaError(
+                f"{self.kind} drafter does not fit the base model: drafter has hidden_size={mine[0]}, "
+                f"vocab_size={mine[1]}; base has hidden_size={base[0]}, vocab_size={base[1]}"
+            )
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save(path / CONFIG_NAME)
+        state = {k: v.detach().to("cpu", dtype if v.is_floating_point() and dtype else v.dtype).contiguous()
+                 for k, v in self.state_dict().items()}
+        save_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})
+
+    def shortlist(self, base_model) -> Shortlist:
+        return Shortlist(base_model.get_output_embeddings(), self.vocab)
+
+
+class HydraHeads(_Drafter):
+    """K sequential heads: head k maps [h_t ; e(x_{t+1}) ; ... ; e(x_{t+k})] ((k+1) D) to a
+    feature h_t + W2 SiLU(W1 [...] + b1) + b2 (W2, b2 zero-initialised), read by the LM head
+    as a guess of x_{t+k+1}. e is the base's frozen input embedding, passed in."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        d, inner = config.hidden_size, config.inner_size
+        self.up = nn.ModuleList(nn.Linear((k + 2) * d, inner) for k in range(config.num_heads))
+        self.down = nn.ModuleList(nn.Linear(inner, d) for _ in range(config.num_heads))
+        for layer in self.down:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def head(self, k: int, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
+        """Head k (0-based): hidden [..., D], path_embeds [..., k+1, D] -> feature [..., D]."""
+        x = torch.cat([hidden, path_embeds.flatten(-2)], dim=-1)  # [..., (k+2) D]
+        return hidden + self.down[k](nn.functional.silu(self.up[k](x)))
+
+    def forward(self, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
+        """Training: hidden [B, D], path_embeds [B, K, D] (the true x_{t+1..t+K}) -> features [K, B, D]."""
+        return torch.stack([self.head(k, hidden, path_embeds[:, : k + 1]) for k in range(self.config.num_heads)])
+
+
+class EagleDrafter(_Drafter):
+    """fc([f_t ; e(x_{t+1})]) -> one decoder layer of the base's class -> predicted f_{t+1}.
+
+    The layer is built from the base's own decoder-layer class and config (one layer, fresh
+    weights), with the base's rotary embedding: no modeling code here. Needs the base model
+    to be built, so it is made with `for_base` / `from_pretrained(path, base)`."""
+
+    def __init__(self, config: DrafterConfig, base_model):
+        super().__init__(config)
+        decoder = base_model.get_decoder()
+        text = copy.deepcopy(base_model.config.get_text_config())
+        text.num_hidden_layers = 1
+        if hasattr(text, "layer_types") and text.layer_types:
+            text.layer_types = text.layer_types[:1]
+        try:
+            self.layer = type(decoder.layers[0])(text, layer_idx=0)
+            self.rotary = type(decoder.rotary_emb)(config=text)
+        except Exception as e:  # noqa: BLE001 - an architecture whose layer cannot stand alone
+            raise MedusaError(f"cannot build an EAGLE drafter layer for {type(decoder).__name__}: {e}") from None
+        self.text_config = text
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """features [B, T, D] (f_t, or predicted ones), embeds [B, T, D] (e(x_{t+1})), position_ids
+        [B, T], mask [B, 1, T, S] additive or None (causal), cache: the drafter's own -> [B, T, D]."""
+        x = self.fc(torch.cat([features, embeds.to(features.dtype)], dim=-1))
+        pos_emb = self.rotary(x, position_ids)
+        if mask is None:
+            t = x.shape[1]
+            mask = torch.full((t, t), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu_(1)[None, None]
+        return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=cache is not None,
+                          position_embeddings=pos_emb)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
+
+def for_base(kind: str, base_model, name_or_path: str = "", **overrides) -> HydraHeads | EagleDrafter:
+    """A fresh drafter sized for `base_model`, on its device and dtype."""
+    cfg = base_model.config.get_text_config()
+    config = DrafterConfig(drafter=kind, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                           base_model_name_or_path=name_or_path or cfg.name_or_path, **overrides)
+    config.shortlist_size = min(config.shortlist_size, cfg.vocab_size)
+    drafter = HydraHeads(config) if kind == "hydra" else EagleDrafter(config, base_model)
+    weight = base_model.get_output_embeddings().weight
+    return drafter.to(device=weight.device, dtype=weight.dtype)
+
+
+def is_drafter(path: Path) -> bool:
+    """True when `path` holds a hydra/eagle checkpoint (config.json naming one)."""
+    try:
+        return json.loads((path / CONFIG_NAME).read_text()).get("drafter") in DRAFTERS
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
+    """Load a drafter saved by save_pretrained, sized and placed for `base_model`."""
+    path = Path(path).expanduser()
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    if not (path / WEIGHTS_NAME).is_file():
+        raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
+    config = DrafterConfig.from_dict(raw)
+    drafter = HydraHeads(config) if config.drafter == "hydra" else None
+    if drafter is None:
+        cfg = base_model.config.get_text_config()
+        if (cfg.hidden_size, cfg.vocab_size) != (config.hidden_size, config.vocab_size):
+            raise MedusaError(
+                f"eagle drafter does not fit the base model: drafter has hidden_size={config.hidden_size}, "
+                f"vocab_size={config.vocab_size}; base has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}"
+            )
+        drafter = EagleDrafter(config, base_model)
+    state = load_file(path / WEIGHTS_NAME)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MedusaError(
+            f"weights in {path / WEIGHTS_NAME} do not match a {config.drafter} drafter for this base: "
+            f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
+    drafter.check_fits(base_model)
+    weight = base_model.get_output_embeddings().weight
+    return drafter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+
+
+class DraftSession:
+    """One generation's drafting state: what the drafter has read so far, and how to draft the
+    next tree. Made once per prompt by `start`; `propose` drafts, `advance` commits a step."""
+
+    def __init__(self, drafter: HydraHeads | EagleDrafter, base_model, width: int | None = None,
+                 depth: int | None = None, budget: int | None = None):
+        cfg = drafter.config
+        self.drafter = drafter
+        self.embed = base_model.get_input_embeddings()
+        self.short = drafter.shortlist(base_model)
+        self.width = width or cfg.draft_width
+        self.depth = min(depth or cfg.draft_depth, cfg.num_heads) if drafter.kind == "hydra" else (depth or cfg.draft_depth)
+        self.budget = budget or cfg.draft_budget
+        self.eagle = isinstance(drafter, EagleDrafter)
+        self.cache = drafter.new_cache() if self.eagle else None
+        self.committed = 0  # eagle: drafter positions in its cache
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # features [A, D], next tokens [A]
+        self.last_hidden: torch.Tensor | None = None  # hydra: [D]
+
+    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Commit verified positions: hidden [A, D] the base's features at A consecutive positions
+        (after the last committed one), next_tokens [A] the token that follows each."""
+        if self.eagle:
+            if self.pending is not None:  # not yet read (a step without drafting)
+                hidden = torch.cat([self.pending[0], hidden])
+                next_tokens = torch.cat([self.pending[1], next_tokens])
+            self.pending = (hidden, next_tokens)
+        else:
+            self.last_hidden = hidden[-1]
+
+    def _eagle_read(self) -> torch.Tensor:
+        """Feed the pending verified positions -> the predicted feature after the last one [D]."""
+        hidden, next_tokens = self.pending
+        n, start = hidden.shape[0], self.committed
+        drafted = self.cache.get_seq_length() - start
+        if drafted > 0:
+            self.cache.crop(-drafted)  # drop the last step's draft nodes
+        dtype = self.short.weight.dtype
+        mask = torch.zeros(n, start + n, dtype=dtype, device=hidden.device)
+        mask[:, start:] = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
+        pos = torch.arange(start, start + n, device=hidden.device)[None]
+        out = self.drafter(hidden[None].to(dtype), self.embed(next_tokens)[None], pos, mask[None, None], self.cache)
+        self.committed, self.pending = start + n, None
+        return out[0, -1]
+
+    def propose(self, root: torch.Tensor) -> DraftTree:
+        """root [] long (the next token, not yet verified) -> this step's tree of token ids."""
+        first, expand = self._eagle_expander() if self.eagle else self._hydra_expander(root)
+        index, parent, depth, score = grow_tree(first, expand, self.width, self.depth, self.budget)
+        tokens = self.short.vocab[index]
+        tokens[0] = root
+        return DraftTree(tokens=tokens, parent=parent, depth=depth, score=score, max_depth=self.depth)
+
+    def _hydra_expander(self, root: torch.Tensor):
+        heads, h = self.drafter, self.last_hidden  # [D]
+        root_embed = self.embed(root.reshape(1))  # [1, D]
+        first = self.short.log_probs(heads.head(0, h[None], root_embed[None]))[0]  # [V']
+        calls = [0]
+
+        def expand(frontier, tokens, parents):
+            k = calls[0] = calls[0] + 1  # the frontier is at depth k, its children are head k's
+            chain, node = [], frontier
+            for _ in range(k):  # walk up to the depth-1 ancestor: one step per depth
+                chain.append(node)
+                node = parents[node]
+            ids = self.short.vocab[tokens[torch.stack(chain[::-1], dim=-1)]]  # [W, k]
+            embeds = torch.cat([root_embed.expand(len(frontier), 1, -1), self.embed(ids)], dim=1)  # [W, k+1, D]
+            return self.short.log_probs(heads.head(k, h.expand(len(frontier), -1), embeds))
+
+        return first, expand
+
+    def _eagle_expander(self):
+        g0 = self._eagle_read()  # [D]: the predicted feature at the root's position
+        root_pos, dtype, device = self.committed, self.short.weight.dtype, g0.device
+        most = self.width * max(self.depth - 1, 1)  # drafted nodes the drafter reads, at most
+        slot_of = torch.full((1 + self.width + self.width**2 * self.depth,), -1, dtype=torch.long, device=device)
+        see = torch.zeros(most, most, dtype=torch.bool, device=device)  # [slot, slot]: ancestors, itself
+        feats = torch.empty(1 + most, g0.shape[-1], dtype=g0.dtype, device=device)  # [0]: g0, [1 + slot]
+        feats[0] = g0
+        calls = [0]
+
+        def expand(frontier, tokens, parents):
+            j = calls[0]
+            calls[0] += 1
+            n, w = j * self.width, len(frontier)  # slots used before, slots now
+            parent_slot = slot_of[parents[frontier]]  # [W], -1 under the root
+            slots = torch.arange(n, n + w, device=device)
+            slot_of[frontier] = slots
+            rows = see[parent_slot.clamp(min=0)] & (parent_slot >= 0)[:, None]  # [W, most]
+            rows[torch.arange(w, device=device), slots] = True
+            see[slots] = rows
+            bias = torch.zeros(w, self.committed + n + w, dtype=dtype, device=device)
+            bias[:, self.committed:].masked_fill_(~rows[:, : n + w], torch.finfo(dtype).min)
+            pos = torch.full((1, w), root_pos + j, dtype=torch.long, device=device)
+            x_tok = self.short.vocab[tokens[frontier]]  # [W]
+            out = self.drafter(feats[parent_slot + 1][None], self.embed(x_tok)[None], pos, bias[None, None],
+                               self.cache)[0]  # [W, D]
+            feats[slots + 1] = out
+            return self.short.log_probs(out)
+
+        return self.short.log_probs(g0), expand

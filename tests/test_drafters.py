@@ -1,0 +1,271 @@
+"""Path-aware drafters (hydra heads, the eagle feature drafter): drafted trees are trees, the
+drafter's cached tree drafting equals a plain recompute, training's unrolled passes are what a
+tree node sees at inference, and greedy output stays token-identical to plain decoding (fp32)."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_decoding import drafters
+from medusa_decoding.config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from medusa_decoding.decode import GenerationStats, decode
+from medusa_decoding.drafters import DraftSession, EagleDrafter, HydraHeads, grow_tree
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.train import train, ttt_mask
+from medusa_decoding.tree import build_tree, tree_from_parents
+
+from conftest import EOS, byte_tokenizer, save_tiny, tiny_llama
+from test_train import counting_data
+from test_train import cfg as train_cfg
+
+KINDS = ("hydra", "eagle")
+
+
+def randomize(module, seed=0, scale=0.5):
+    """Random (not zero) weights everywhere but the norms: guesses are noise, mostly wrong."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    return module.eval()
+
+
+def make(kind, model, seed=0, scale=0.5, **kw):
+    kw.setdefault("shortlist_size", model.config.vocab_size)
+    return randomize(drafters.for_base(kind, model, **kw), seed, scale)
+
+
+def run(model, prompt, drafter, ngram=None, max_new_tokens=40, budget=None):
+    stats, out = GenerationStats(), []
+    for chunk in decode(model, torch.tensor([prompt]), drafter, build_tree([]), GenerationConfig(max_new_tokens=max_new_tokens),
+                        SamplingConfig(), {EOS}, stats, ngram=ngram, draft_budget=budget):
+        out += chunk
+    return out, stats
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# trees -------------------------------------------------------------------------------------------
+
+def test_grow_tree_keeps_the_best_nodes_and_they_form_a_tree():
+    g = torch.Generator().manual_seed(0)
+    vocab, width, depth, budget = 7, 3, 4, 10
+    first = torch.log_softmax(torch.randn(vocab, generator=g), -1)
+    calls = []
+
+    def expand(frontier, tokens, parents):
+        out = torch.log_softmax(torch.randn(len(frontier), vocab, generator=g), -1)
+        calls.append((frontier.clone(), out))
+        return out
+
+    tokens, parent, dep, score = grow_tree(first, expand, width, depth, budget)
+    assert len(tokens) == budget and parent[0] == -1 and dep[0] == 0
+    for i in range(1, budget):
+        p = int(parent[i])
+        assert 0 <= p < i and dep[i] == dep[p] + 1 and score[i] <= score[p] + 1e-6
+    # brute force: every candidate grow_tree generated, scored by its branch's log-probs
+    top = first.topk(width)
+    cand = [(float(s), 1) for s in top.values]
+    scores = {i + 1: float(s) for i, s in enumerate(top.values)}
+    n = 1 + width
+    for d, (frontier, out) in enumerate(calls, start=2):
+        vals = out.topk(width, dim=-1).values
+        for r, node in enumerate(frontier.tolist()):
+            for v in vals[r].tolist():
+                scores[n] = scores[node] + v
+                cand.append((scores[n], d))
+                n += 1
+    best = sorted(cand, key=lambda c: (-c[0] + 1e-4 * c[1]))[: budget - 1]
+    assert sorted(score[1:].tolist()) == pytest.approx(sorted(c[0] for c in best), abs=1e-5)
+
+
+def test_tree_from_parents_masks_exactly_the_ancestors():
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])
+    for ngram in (0, 3):
+        tree = tree_from_parents(parent, depth, 4, ngram)
+        n = tree.num_nodes
+        assert n == 8 + ngram
+        for i in range(n):
+            anc, j = {i}, i
+            while tree.parent[j] >= 0:
+                j = int(tree.parent[j])
+                anc.add(j)
+            assert set(tree.mask[i].nonzero()[:, 0].tolist()) == anc
+        leaves = {i for i in range(n) if i not in tree.parent.tolist()}
+        assert {int(r[r >= 0][-1]) for r in tree.retrieve} == leaves
+
+
+# exactness ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ngram", [None, NgramConfig(length=5)])
+def test_random_drafters_give_plain_output(model, kind, ngram):
+    drafter = make(kind, model, seed=1)
+    for prompt in prompts(5, seed=2):
+        ref, _ = run(model, prompt, None)
+        out, stats = run(model, prompt, drafter, ngram)
+        assert out == ref
+        assert stats.steps < len(out)  # the tree carried more than the root at least sometimes
+
+
+class OracleHydra(HydraHeads):
+    """Hydra heads that often guess right: head k returns the base's true feature k+1 steps on
+    (found from a known plain run), so long branches are accepted and rejected at every depth."""
+
+    def setup(self, hidden, hit=0.75, seed=0):
+        self.known, self.hit, self.g = hidden, hit, torch.Generator().manual_seed(seed)
+        return self
+
+    def head(self, k, hidden, path_embeds):
+        t = (self.known[None] - hidden[:, None]).norm(dim=-1).argmin(-1)  # [W]
+        true = self.known[(t + k + 1).clamp(max=len(self.known) - 1)]
+        miss = torch.rand(len(t), generator=self.g) > self.hit
+        return torch.where(miss[:, None], torch.randn(true.shape, generator=self.g) * true.std(), true)
+
+
+class OracleEagle(EagleDrafter):
+    """An eagle drafter that predicts the true feature after each position, often."""
+
+    def setup(self, hidden, hit=0.75, seed=0):
+        self.known, self.hit, self.g = hidden, hit, torch.Generator().manual_seed(seed)
+        return self
+
+    def forward(self, features, embeds, position_ids, mask, cache=None):
+        true = self.known[(position_ids + 1).clamp(max=len(self.known) - 1)]  # [B, T, D]
+        miss = torch.rand(position_ids.shape, generator=self.g) > self.hit
+        return torch.where(miss[..., None], torch.randn(true.shape, generator=self.g) * true.std(), true)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_drafters_accept_long_branches_and_stay_exact(model, kind):
+    prompt = [10, 20, 30, 40, 50]
+    ref, _ = run(model, prompt, None, max_new_tokens=60)
+    with torch.no_grad():
+        known = model.get_decoder()(input_ids=torch.tensor([prompt + ref])).last_hidden_state[0]
+    config = drafters.DrafterConfig(drafter=kind, hidden_size=64, vocab_size=model.config.vocab_size,
+                                    shortlist_size=model.config.vocab_size, num_heads=4, inner_size=32)
+    oracle = (OracleHydra(config) if kind == "hydra" else OracleEagle(config, model)).setup(known)
+    out, stats = run(model, prompt, oracle, max_new_tokens=60)
+    assert out == ref
+    assert stats.mean_accepted_length > 2.0, stats.accepted_lengths
+    assert len(set(stats.accepted_lengths)) > 2  # accepted and rejected at several depths
+
+
+def test_eagle_tree_drafting_equals_a_plain_recompute(model):
+    """Each drafted node's score, computed with the drafter's cache and the tree mask, equals
+    the sum of log-probs from re-running the drafter causally on prefix + branch, no cache."""
+    drafter = make("eagle", model, seed=3, scale=1.0)
+    prompt = torch.tensor(prompts(1, seed=4)[0] + [5, 6, 7])
+    with torch.no_grad():
+        feats = model.get_decoder()(input_ids=prompt[None]).last_hidden_state[0]  # [T, D]
+        session = DraftSession(drafter, model, width=3, depth=3, budget=12)
+        root = torch.tensor(99)
+        session.advance(feats, torch.cat([prompt[1:], root[None]]))
+        session.propose(root)  # a first tree, then a committed step of 2 made-up positions
+        extra_f, extra_t = torch.randn(2, feats.shape[1]), torch.tensor([42, 43])
+        session.advance(extra_f, extra_t)
+        draft = session.propose(torch.tensor(43))
+        f_all = torch.cat([feats, extra_f])
+        t_all = torch.cat([prompt[1:], root[None], extra_t])
+        short = drafter.shortlist(model)
+
+        def last_output(f, t):
+            pos = torch.arange(len(t))[None]
+            return drafter(f[None], model.get_input_embeddings()(t)[None], pos, None)[0, -1]
+
+        for i in range(1, len(draft.tokens)):
+            branch, j = [], i
+            while j > 0:
+                branch.append(j)
+                j = int(draft.parent[j])
+            f, t, total = f_all, t_all, 0.0
+            for node in reversed(branch):
+                g = last_output(f, t)
+                total += float(short.log_probs(g)[draft.tokens[node]])
+                f, t = torch.cat([f, g[None]]), torch.cat([t, draft.tokens[node, None]])
+            assert total == pytest.approx(float(draft.score[i]), abs=1e-4)
+
+
+def test_training_passes_see_what_tree_nodes_see(model):
+    """Unrolled pass a at position t (training) == a depth-(a+1) node at inference: the drafter
+    re-run causally on the true prefix up to t-a, then its own predicted features."""
+    drafter = make("eagle", model, seed=5, scale=1.0)
+    t_len = 10
+    ids = torch.tensor(prompts(1, seed=6)[0][:3] + list(range(60, 60 + t_len)))[:t_len + 1]
+    with torch.no_grad():
+        f = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0][:t_len]  # f_t
+        tok = ids[1 : t_len + 1]  # x_{t+1}
+        emb = model.get_input_embeddings()(tok)
+        cache, x, outs = drafter.new_cache(), f[None], []
+        pos = torch.arange(t_len)[None]
+        for a in range(3):
+            out = drafter(x, emb[None], pos, ttt_mask(t_len, a, torch.float32), cache)
+            outs.append(out[0])
+            x = torch.cat([x.new_zeros(1, 1, f.shape[1]), out[:, :-1]], dim=1)
+        for a in range(3):
+            for t in range(a, t_len):
+                feats = f[: t - a + 1]
+                for step in range(a):  # the chain of predicted features
+                    n = len(feats)
+                    g = drafter(feats[None], emb[None, :n], torch.arange(n)[None], None)[0, -1]
+                    feats = torch.cat([feats, g[None]])
+                n = len(feats)
+                ref = drafter(feats[None], emb[None, :n], torch.arange(n)[None], None)[0, -1]
+                torch.testing.assert_close(outs[a][t], ref, atol=1e-4, rtol=1e-4)
+
+
+# checkpoints, engine, training ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_round_trip_engine_and_misfit(model, kind, tmp_path):
+    drafter = make(kind, model, seed=7)
+    drafter.vocab.copy_(torch.randperm(model.config.vocab_size))
+    drafter.save_pretrained(tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["drafter"] == kind
+    loaded = drafters.from_pretrained(tmp_path / "d", model)
+    for (k, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
+    m = MedusaModel(model, byte_tokenizer(), heads=loaded)
+    plain = m.generate("hello there", max_new_tokens=30, use_medusa=False, chat=False)
+    spec = m.generate("hello there", max_new_tokens=30, chat=False)
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(MedusaError, match="drafts its own tree"):
+        MedusaModel(model, byte_tokenizer(), heads=loaded, tree=[[0]])
+    other = tiny_llama(vocab=320)
+    with pytest.raises(MedusaError, match="vocab_size=300.*vocab_size=320"):
+        drafters.from_pretrained(tmp_path / "d", other)
+
+
+def test_unknown_drafter_kind_is_refused():
+    with pytest.raises(MedusaError, match="unknown drafter"):
+        drafters.DrafterConfig(drafter="medusa2")
+    with pytest.raises(MedusaError, match="unknown drafter"):
+        TrainConfig(drafter="lookahead")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory, with_heads=False)[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_learns_and_the_checkpoint_drafts(base_dir, tmp_path, kind):
+    data = counting_data(tmp_path / "d.jsonl", n=60)
+    metrics = train(train_cfg(base_dir, data, tmp_path / "run", drafter=kind, epochs=3, train_vocab=64,
+                              inner_size=64, unroll=2, batch_size=256 if kind == "eagle" else 64, lr=5e-3),
+                    progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"]
+    assert metrics["drafter"] == kind and len(metrics["eval"]["top1"]) == (2 if kind == "eagle" else 4)
+    m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", dtype="float32", device="cpu")
+    assert m.heads.kind == kind and m.heads.vocab.numel() == 64
+    plain = m.generate("count from 7", max_new_tokens=40, use_medusa=False)
+    spec = m.generate("count from 7", max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
