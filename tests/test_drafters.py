@@ -269,3 +269,56 @@ def test_training_learns_and_the_checkpoint_drafts(base_dir, tmp_path, kind):
     plain = m.generate("count from 7", max_new_tokens=40, use_medusa=False)
     spec = m.generate("count from 7", max_new_tokens=40)
     assert spec.token_ids == plain.token_ids
+
+
+def test_drafter_calibration_measures_the_grid_and_saves_the_best(model, tmp_path):
+    from medusa_decoding import calibrate as cal
+
+    drafter = make("hydra", model, seed=8)
+    drafter.save_pretrained(tmp_path / "d")
+    m = MedusaModel(model, byte_tokenizer(), heads=drafters.from_pretrained(tmp_path / "d", model))
+    grid = ((2, 2, 4), (3, 2, 6))
+    result = cal.fit_drafter(m, [torch.tensor([p]) for p in prompts(3, seed=9)], max_new_tokens=12, grid=grid)
+    assert [(r["depth"], r["width"], r["budget"]) for r in result["grid"]] == list(grid)
+    assert result["best"]["median_speedup"] == max(r["median_speedup"] for r in result["grid"])
+    assert (m.heads.config.draft_depth, m.heads.config.draft_budget) == (4, 16)  # restored
+    cal.save_drafter_fit(result, tmp_path / "d")
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (saved["draft_depth"], saved["draft_width"], saved["draft_budget"]) == tuple(
+        result["best"][k] for k in ("depth", "width", "budget"))
+    assert drafters.from_pretrained(tmp_path / "d", model).config.draft_budget == result["best"]["budget"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafters_stop_at_the_context_end_and_sample_reproducibly(kind):
+    small = tiny_llama(max_positions=48)
+    drafter = make(kind, small, seed=10)
+    prompt = prompts(1, seed=11)[0][:20]
+    ref, _ = run(small, prompt, None, max_new_tokens=100)
+    out, _ = run(small, prompt, drafter, NgramConfig(length=4), max_new_tokens=100)
+    assert out == ref and len(prompt) + len(out) <= 48
+    m = MedusaModel(small, byte_tokenizer(), heads=drafter)
+    a = m.generate(torch.tensor([prompt]), max_new_tokens=30, temperature=0.8, seed=3)
+    b = m.generate(torch.tensor([prompt]), max_new_tokens=30, temperature=0.8, seed=3)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_cli_picks_the_drafter_from_the_checkpoint(capsys, monkeypatch, base_dir, tmp_path):
+    from conftest import run_cli as medusa
+
+    model = tiny_llama()
+    make("eagle", model, seed=12).save_pretrained(tmp_path / "eagle")
+    common = ["--model", base_dir, "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu"]
+    code, out, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--heads", tmp_path / "eagle",
+                            "--tree-budget", "6", *common)
+    assert code == 0 and err.splitlines()[-1].startswith("[eagle (drafted 6-node tree) + 8-token n-gram branch] 12 tokens")
+    code, plain, _ = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--no-medusa", *common)
+    assert code == 0 and plain == out
+    code, _, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--heads", tmp_path / "eagle",
+                          "--tree", "dynamic", *common)
+    assert code == 0
+    code, _, err = medusa(capsys, monkeypatch, "serve", "--model", base_dir, "--heads", tmp_path / "eagle")
+    assert code == 2 and err.count("\n") == 1 and "Medusa heads" in err
+    code, _, err = medusa(capsys, monkeypatch, "bench", "--model", base_dir, "--methods", "plain,eagle",
+                          "--prompts", tmp_path / "none.jsonl")
+    assert code == 2 and err.startswith("error:")

@@ -54,7 +54,7 @@ def test_shipped_heads_fit_and_stay_lossless(smollm):
     from medusa_decoding.engine import shipped_heads
     from medusa_decoding.heads import MedusaHeads
 
-    folder = shipped_heads("smollm2-135m-instruct")
+    folder = shipped_heads("smollm2-135m-instruct", "medusa")
     assert folder is not None and (folder / "tree.json").is_file()
     heads = MedusaHeads.from_pretrained(folder)
     heads.check_fits(smollm.base)
@@ -64,3 +64,21 @@ def test_shipped_heads_fit_and_stay_lossless(smollm):
     out = fast.generate(prompt, max_new_tokens=64)
     assert out.token_ids == plain.token_ids
     assert out.stats.mean_accepted_length > 1.3  # trained heads: more than one token per step
+
+
+@pytest.mark.parametrize("kind", ["hydra", "eagle"])
+def test_shipped_drafters_fit_and_stay_lossless(smollm, kind):
+    from medusa_decoding import drafters
+    from medusa_decoding.config import NgramConfig
+    from medusa_decoding.engine import shipped_heads
+
+    folder = shipped_heads("smollm2-135m-instruct", kind)
+    if folder is None:
+        pytest.skip(f"no {kind} drafter shipped")
+    drafter = drafters.from_pretrained(folder, smollm.base)
+    fast = MedusaModel(smollm.base, smollm.tokenizer, heads=drafter, ngram=NgramConfig())
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    plain = smollm.generate(prompt, max_new_tokens=64)
+    out = fast.generate(prompt, max_new_tokens=64)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.mean_accepted_length > 1.8  # trained drafter: well over one token per step

@@ -202,3 +202,67 @@ def calibration_prompts(path: Path | None, limit: int) -> list[str]:
     if not texts:
         raise MedusaError(f"{path} holds no prompts")
     return texts
+
+
+# Path-aware drafters (hydra, eagle) ----------------------------------------------------------------
+# Their cost is sequential: one drafter call per depth, inside the step. Rather than model it,
+# measure it: generate with each drafting setting, interleaved with plain decoding prompt by
+# prompt, and keep the setting with the best median speed-up.
+
+DRAFT_GRID = tuple((depth, width, budget) for depth in (3, 4, 5, 6) for width in (4,) for budget in (6, 8, 12, 16))
+
+
+def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, grid=DRAFT_GRID,
+                progress=None) -> dict:
+    """model: a MedusaModel holding a hydra/eagle drafter (and its n-gram branch, if any, as
+    generate runs it); inputs: input_ids [1, T] each.
+    -> {"grid": [{depth, width, budget, median_speedup, mean_accepted_length, tokens_per_s}], "best": ...}.
+    Greedy; each prompt runs plain once, then every setting (a first warm-up prompt is dropped)."""
+    from .decode import GenerationStats, decode
+    from .config import GenerationConfig, SamplingConfig
+
+    def timed(drafter, prompt):
+        stats = GenerationStats()
+        ngram = model.ngram if drafter is not None else None
+        for _ in decode(model.base, prompt, drafter, model.tree, GenerationConfig(max_new_tokens=max_new_tokens),
+                        SamplingConfig(), model.eos_token_ids, stats, ngram=ngram):
+            pass
+        return stats
+
+    drafter, cfg = model.heads, model.heads.config
+    if drafter.kind == "hydra":  # hydra drafts at most one depth per head
+        grid = tuple(dict.fromkeys((min(d, cfg.num_heads), w, b) for d, w, b in grid))
+    saved = (cfg.draft_depth, cfg.draft_width, cfg.draft_budget)
+    ratios: dict[tuple, list[float]] = {g: [] for g in grid}
+    taus: dict[tuple, list[float]] = {g: [] for g in grid}
+    speeds: dict[tuple, list[float]] = {g: [] for g in grid}
+    try:
+        for i, prompt in enumerate(inputs):
+            plain = timed(None, prompt)
+            for g in grid:
+                cfg.draft_depth, cfg.draft_width, cfg.draft_budget = g
+                stats = timed(drafter, prompt)
+                if i == 0 and len(inputs) > 1:
+                    continue  # warm-up
+                ratios[g].append(stats.tokens_per_s / plain.tokens_per_s)
+                taus[g].append(stats.mean_accepted_length)
+                speeds[g].append(stats.tokens_per_s)
+            if progress:
+                progress(i + 1)
+    finally:
+        cfg.draft_depth, cfg.draft_width, cfg.draft_budget = saved
+    rows = [{"depth": d, "width": w, "budget": b, "median_speedup": statistics.median(ratios[(d, w, b)]),
+             "mean_accepted_length": statistics.fmean(taus[(d, w, b)]),
+             "tokens_per_s": statistics.median(speeds[(d, w, b)])} for d, w, b in grid]
+    return {"grid": rows, "best": max(rows, key=lambda r: r["median_speedup"]), "prompts": len(inputs),
+            "max_new_tokens": max_new_tokens}
+
+
+def save_drafter_fit(fit_result: dict, folder: Path) -> None:
+    """Write the best setting into the drafter's config.json and the whole grid beside it."""
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    best = fit_result["best"]
+    config.update(draft_depth=best["depth"], draft_width=best["width"], draft_budget=best["budget"])
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "calibration.json").write_text(json.dumps(fit_result, indent=1) + "\n")

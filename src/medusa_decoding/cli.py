@@ -18,7 +18,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Medusa speculative decoding for Hugging Face causal language models.")
 
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Built-in alias, Hugging Face model folder or .gguf file.")
-HeadsOpt = typer.Option(None, "--heads", help="Medusa heads folder; default: the heads shipped for the built-in model.")
+HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle drafter folder; default: the drafter shipped for the built-in model (with --tree: its Medusa heads).")
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on CPU and recent GPUs).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 
@@ -37,6 +37,8 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     elif heads is not None:
         heads_arg = heads
     else:
+        if kind is None and tree is not None:  # a tree is for Medusa heads
+            kind = "medusa"
         heads_arg = shipped_heads(model, kind)  # None when nothing is shipped: plain decoding
         if heads_arg is None and model == DEFAULT_MODEL:
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
@@ -156,25 +158,34 @@ def serve(
 
 @app.command()
 def calibrate(
-    heads: Path = typer.Option(..., "--heads", help="Heads folder; the tree is saved there as tree.json unless --out."),
+    heads: Path = typer.Option(..., "--heads", help="Heads folder; the tree is saved there as tree.json unless --out. A hydra/eagle drafter: its drafting depth/width/budget are measured and saved in its config.json."),
     model: str = ModelOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of prompts (Spec-Bench format or {\"prompt\": ...}); default: held-out ShareGPT."),
     limit: int = typer.Option(24, "--limit", help="Calibration prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to save the tree (default: HEADS/tree.json)."),
+    ngram: int = typer.Option(8, "--ngram", help="hydra/eagle: measure with this n-gram branch, as generate runs by default (0: none)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
-    """Fit the tree to the heads and this device: head accuracy, verify latency, best tree."""
+    """Fit the tree to the heads and this device: head accuracy, verify latency, best tree (or, for a
+    hydra/eagle drafter, the drafting setting measured fastest against plain decoding)."""
     import torch
 
     from . import calibrate as cal
+    from .config import NgramConfig
     from .engine import MedusaModel
 
     if limit < 1 or max_new_tokens < 1:
         fail("--limit and --max-new-tokens must be >= 1")
-    m = MedusaModel.from_pretrained(model, heads=heads, dtype=dtype, device=device)
+    if ngram < 0:
+        fail(f"--ngram must be >= 0, got {ngram}")
+    m = MedusaModel.from_pretrained(model, heads=heads, dtype=dtype, device=device,
+                                    ngram=NgramConfig(length=ngram) if ngram else None)
     texts = cal.calibration_prompts(prompts, limit)
+    if getattr(m.heads, "kind", "medusa") != "medusa":
+        _calibrate_drafter(m, texts, max_new_tokens, heads, out)
+        return
     sequences = []
     with typer.progressbar(texts, label="greedy answers", file=sys.stderr) as bar:
         for text in bar:
@@ -195,6 +206,28 @@ def calibrate(
         mark = "  <- chosen" if c["n"] == result.best["n"] else ""
         typer.echo(f"{c['n']:>5}  {c['expected_tau']:12.2f}  {c['cost']:4.2f}  {c['expected_speedup']:17.2f}{mark}")
     typer.echo(f"saved {target}", err=True)
+
+
+def _calibrate_drafter(m, texts: list[str], max_new_tokens: int, heads: Path, out: Optional[Path]) -> None:
+    """A hydra/eagle drafter: measure every drafting setting against plain decoding, keep the best."""
+    from . import calibrate as cal
+
+    inputs = [m.encode(t) for t in texts]
+    with typer.progressbar(length=len(inputs), label=f"{len(cal.DRAFT_GRID)} drafting settings x plain",
+                           file=sys.stderr) as bar:
+        result = cal.fit_drafter(m, inputs, max_new_tokens, progress=lambda i: bar.update(1))
+    folder = out or heads
+    if out is not None:
+        import shutil
+
+        shutil.copytree(heads, out, dirs_exist_ok=True)
+    cal.save_drafter_fit(result, folder)
+    typer.echo("depth  width  budget  tau   tok/s  speed-up vs plain (median)")
+    for r in sorted(result["grid"], key=lambda r: -r["median_speedup"]):
+        mark = "  <- chosen" if r is result["best"] else ""
+        typer.echo(f"{r['depth']:>5}  {r['width']:>5}  {r['budget']:>6}  {r['mean_accepted_length']:4.2f}  "
+                   f"{r['tokens_per_s']:6.1f}  {r['median_speedup']:5.2f}{mark}")
+    typer.echo(f"saved the chosen setting in {folder / 'config.json'}, the grid in {folder / 'calibration.json'}", err=True)
 
 
 @app.command()

@@ -205,22 +205,23 @@ def decode(
     t0 = time.perf_counter()
     while prefix + 1 < ctx:
         with torch.inference_mode():
-            # 1. propose: the heads read the last accepted position; an n-gram branch joins
-            #    when the context's last tokens occurred before; the step's tree takes both
+            # 1. propose: the heads read the last accepted position (a hydra/eagle drafter drafts
+            #    a tree node by node); an n-gram branch joins when the context's last tokens
+            #    occurred before; the step's tree takes both
             copied = ngram_proposer.propose(context) if ngram_proposer else None
             with_ngram = copied is not None and len(copied) > 0
-            if session is not None and prefix + depth_limit + 2 <= ctx:
+            if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree
+                step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
+            elif session is not None:  # a path-aware drafter drafts the step's tree itself
                 draft = session.propose(root)
                 step_tree = tree_from_parents(draft.parent, draft.depth, draft.max_depth,
                                               ngram.length if with_ngram else 0)
                 bias, head_topk = tree_bias(step_tree, model.dtype, device), None
-            elif session is None and prefix + trees.depth_limit + 2 <= ctx:
+            else:
                 head_logits = None
                 if heads is not None:
                     head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
                 step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
-            else:  # too close to the context end for a tree
-                step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
             ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
             if session is not None and step_tree.num_nodes > 1:
                 tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import DEFAULT_MODEL, MedusaError
+from .heads import check_fits
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -145,14 +146,7 @@ class _Drafter(nn.Module):
         return self.config.drafter
 
     def check_fits(self, base_model) -> None:
-        cfg = base_model.config.get_text_config()
-        mine = (self.config.hidden_size, self.config.vocab_size)
-        base = (cfg.hidden_size, cfg.vocab_size)
-        if mine != base:
-            raise MedusaError(
-                f"{self.kind} drafter does not fit the base model: drafter has hidden_size={mine[0]}, "
-                f"vocab_size={mine[1]}; base has hidden_size={base[0]}, vocab_size={base[1]}"
-            )
+        check_fits(base_model, self.config.hidden_size, self.config.vocab_size, f"{self.kind} drafter weights")
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         path = Path(path)
@@ -257,13 +251,8 @@ def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
         raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
     config = DrafterConfig.from_dict(raw)
     drafter = HydraHeads(config) if config.drafter == "hydra" else None
-    if drafter is None:
-        cfg = base_model.config.get_text_config()
-        if (cfg.hidden_size, cfg.vocab_size) != (config.hidden_size, config.vocab_size):
-            raise MedusaError(
-                f"eagle drafter does not fit the base model: drafter has hidden_size={config.hidden_size}, "
-                f"vocab_size={config.vocab_size}; base has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}"
-            )
+    if drafter is None:  # built from the base's own layer class: check the shapes first
+        check_fits(base_model, config.hidden_size, config.vocab_size, "eagle drafter weights")
         drafter = EagleDrafter(config, base_model)
     state = load_file(path / WEIGHTS_NAME)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -19,6 +19,16 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+def check_fits(base_model, hidden_size: int, vocab_size: int, what: str) -> None:
+    """Raise MedusaError naming both shapes when a drafter (`what`) was made for another base."""
+    cfg = base_model.config.get_text_config()
+    if (hidden_size, vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise MedusaError(
+            f"{what} do not fit the base model: {what} have hidden_size={hidden_size}, vocab_size={vocab_size}; "
+            f"base has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}"
+        )
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x + b). W and b start at zero: SiLU(0) = 0, so a fresh block is the identity
     and an untrained head predicts what the base model predicts (one step late)."""
@@ -117,14 +127,7 @@ class MedusaHeads(nn.Module):
 
     def check_fits(self, base_model) -> None:
         """Refuse heads trained for another hidden size or vocabulary, naming both."""
-        cfg = base_model.config.get_text_config()
-        mine = (self.config.hidden_size, self.config.vocab_size)
-        base = (cfg.hidden_size, cfg.vocab_size)
-        if mine != base:
-            raise MedusaError(
-                f"heads do not fit the base model: heads have hidden_size={mine[0]}, vocab_size={mine[1]}; "
-                f"base has hidden_size={base[0]}, vocab_size={base[1]}"
-            )
+        check_fits(base_model, self.config.hidden_size, self.config.vocab_size, "heads")
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write config.json and model.safetensors; dtype (e.g. bfloat16) halves the file."""
