@@ -31,8 +31,20 @@ class Acceptance(str, enum.Enum):
     TYPICAL = "typical"  # Medusa's typical acceptance: faster, changes the distribution
 
 
+class JsonConfig:
+    """A dataclass saved as a config.json: unknown keys are ignored when read back."""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 @dataclass
-class HeadsConfig:
+class HeadsConfig(JsonConfig):
     """Shape of a set of Medusa heads; saved as the heads' config.json."""
 
     medusa_num_heads: int = 4  # K: head k guesses the token k+1 steps ahead
@@ -44,14 +56,6 @@ class HeadsConfig:
     base_model_name_or_path: str = DEFAULT_MODEL
     shared_lm_head: bool = True  # True: use the base model's frozen LM head
     drafter: str = "medusa"  # the proposer kind stored in this checkpoint
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> HeadsConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass

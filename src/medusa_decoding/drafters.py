@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import DEFAULT_MODEL, MedusaError
+from .config import DEFAULT_MODEL, JsonConfig, MedusaError
 from .heads import check_fits
 
 CONFIG_NAME = "config.json"
@@ -39,7 +39,7 @@ DRAFTERS = ("hydra", "eagle")
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(JsonConfig):
     """A path-aware drafter's shape and its drafting defaults; saved as config.json."""
 
     drafter: str = "eagle"  # "hydra" or "eagle"
@@ -59,16 +59,6 @@ class DrafterConfig:
             raise MedusaError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)} (or medusa heads)")
         if self.draft_depth < 1 or self.draft_width < 1 or self.draft_budget < 2:
             raise MedusaError("drafting needs depth >= 1, width >= 1 and a budget of at least 2 nodes")
-        if self.drafter == "hydra" and self.draft_depth > self.num_heads:
-            self.draft_depth = self.num_heads
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DrafterConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass
@@ -250,10 +240,8 @@ def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
     if not (path / WEIGHTS_NAME).is_file():
         raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
     config = DrafterConfig.from_dict(raw)
-    drafter = HydraHeads(config) if config.drafter == "hydra" else None
-    if drafter is None:  # built from the base's own layer class: check the shapes first
-        check_fits(base_model, config.hidden_size, config.vocab_size, "eagle drafter weights")
-        drafter = EagleDrafter(config, base_model)
+    check_fits(base_model, config.hidden_size, config.vocab_size, f"{config.drafter} drafter weights")
+    drafter = HydraHeads(config) if config.drafter == "hydra" else EagleDrafter(config, base_model)
     state = load_file(path / WEIGHTS_NAME)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -261,14 +249,14 @@ def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
             f"weights in {path / WEIGHTS_NAME} do not match a {config.drafter} drafter for this base: "
             f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
-    drafter.check_fits(base_model)
     weight = base_model.get_output_embeddings().weight
     return drafter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
 
 
 class DraftSession:
     """One generation's drafting state: what the drafter has read so far, and how to draft the
-    next tree. Made once per prompt by `start`; `propose` drafts, `advance` commits a step."""
+    next tree. Made once per prompt; `advance` feeds it verified positions (the prompt, then
+    each step's accepted path), `propose` drafts the next tree."""
 
     def __init__(self, drafter: HydraHeads | EagleDrafter, base_model, width: int | None = None,
                  depth: int | None = None, budget: int | None = None):
@@ -277,7 +265,9 @@ class DraftSession:
         self.embed = base_model.get_input_embeddings()
         self.short = drafter.shortlist(base_model)
         self.width = width or cfg.draft_width
-        self.depth = min(depth or cfg.draft_depth, cfg.num_heads) if drafter.kind == "hydra" else (depth or cfg.draft_depth)
+        self.depth = depth or cfg.draft_depth
+        if drafter.kind == "hydra":  # hydra drafts at most one depth per head
+            self.depth = min(self.depth, cfg.num_heads)
         self.budget = budget or cfg.draft_budget
         self.eagle = isinstance(drafter, EagleDrafter)
         self.cache = drafter.new_cache() if self.eagle else None

@@ -105,7 +105,7 @@ class MedusaModel:
     """A base causal LM, an optional drafter (Medusa heads, or a path-aware hydra/eagle drafter
     that drafts its own tree every step), a candidate tree, an optional n-gram branch."""
 
-    def __init__(self, base, tokenizer, heads: MedusaHeads | None = None, tree=None, name: str = "",
+    def __init__(self, base, tokenizer, heads: MedusaHeads | HydraHeads | EagleDrafter | None = None, tree=None, name: str = "",
                  ngram: NgramConfig | bool | None = None, tree_budget: int | None = None):
         self.base = base
         self.tree_budget = tree_budget  # None: 16 for a dynamic tree, the checkpoint's for a drafter
@@ -114,15 +114,13 @@ class MedusaModel:
         self.name = name or base.config.name_or_path
         self.heads = None
         self.tree = build_tree([])
-        if isinstance(heads, (HydraHeads, EagleDrafter)):
+        if heads is not None:
             heads.check_fits(base)
-            if isinstance(tree, (str, Path, list, tuple)) and tree != DYNAMIC:
+            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
+            if not isinstance(heads, (HydraHeads, EagleDrafter)):
+                self.tree = self._fit_tree(tree)
+            elif isinstance(tree, (str, Path, list, tuple)) and tree != DYNAMIC:
                 raise MedusaError(f"a {heads.kind} drafter drafts its own tree every step; give no tree file")
-            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
-        elif heads is not None:
-            heads.check_fits(base)
-            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
-            self.tree = self._fit_tree(tree)
         gen = getattr(base, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else base.config.get_text_config().eos_token_id

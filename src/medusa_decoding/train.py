@@ -422,7 +422,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     if is_main:
         log.info("data: %s", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     lm_head = base.get_output_embeddings()
-    embed = base.get_input_embeddings().float().requires_grad_(False)
+    embed = None  # drafters read the base's input embedding; Medusa heads do not
+    if cfg.drafter != "medusa":
+        embed = base.get_input_embeddings().float().requires_grad_(False)
     if cfg.drafter == "medusa":
         heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
     else:
@@ -453,7 +455,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
         items, per_step = len(pos), cfg.batch_size
 
         def batch_loss(idx):
-            return head_losses(heads, train_head, pos, idx, cfg, label_map, embed if cfg.drafter == "hydra" else None)
+            return head_losses(heads, train_head, pos, idx, cfg, label_map, embed)
 
     # 2. train
     world, rank = accelerator.num_processes, accelerator.process_index
