@@ -6,7 +6,8 @@ from torch import nn
 
 from medusa_decoding.cache import keep_path, new_cache
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, SamplingConfig
-from medusa_decoding.decode import GenerationStats, decode, forward, tree_bias
+from medusa_decoding.decode import GenerationStats, decode, tree_bias
+from medusa_decoding.runner import forward
 from medusa_decoding.tree import build_tree
 
 from conftest import EOS, random_heads, tiny_llama

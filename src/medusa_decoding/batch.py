@@ -32,7 +32,8 @@ import torch
 from .acceptance import accept
 from .cache import new_cache
 from .config import DEFAULT_TREE, GenerationConfig, MedusaError, SamplingConfig
-from .decode import ROOT_ONLY, GenerationStats, context_length, forward, lm_logits, tree_bias
+from .decode import ROOT_ONLY, GenerationStats, context_length, tree_bias
+from .runner import forward, lm_logits
 from .heads import MedusaHeads
 from .tree import TreeBuffers, build_tree, tree_tokens
 

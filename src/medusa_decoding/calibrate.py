@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from .cache import new_cache
-from .decode import forward, tree_bias
+from .decode import tree_bias
+from .runner import forward
 from .tree import build_tree
 
 RANKS = 10

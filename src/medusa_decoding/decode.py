@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from .acceptance import accept
-from .cache import keep_path, new_cache
+from .cache import keep_path
 from .config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .drafters import DraftSession, EagleDrafter, HydraHeads
 from .heads import MedusaHeads
 from .proposers import NgramProposer
+from .runner import Runner
 from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, select_tree, tree_from_parents, tree_tokens
 
 ROOT_ONLY = build_tree([])
@@ -79,26 +80,6 @@ def context_length(model) -> int:
     return model.config.get_text_config().max_position_embeddings
 
 
-def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False):
-    """One base forward through its public decoder: input_ids [1, n], position_ids [1, n],
-    mask [1, 1, n, S] additive float or None (causal) -> logits [n, V] (or [1, V]), hidden [n, D].
-    """
-    out = model.get_decoder()(
-        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-    )
-    hidden = out.last_hidden_state[0]  # [n, D], after the final norm
-    return lm_logits(model, hidden[-1:] if last_only else hidden), hidden
-
-
-def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [..., D] -> logits [..., V] through the base LM head (and its soft-capping, if any)."""
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
 def tree_bias(tree: TreeBuffers, dtype: torch.dtype, device) -> torch.Tensor:
     """[N, N] additive mask: 0 where a node sees a node (itself, its ancestors), dtype min elsewhere.
     Additive, not bool: with eager attention a bool 4D mask is silently wrong."""
@@ -151,6 +132,7 @@ def decode(
     stats: GenerationStats,
     ngram: NgramConfig | None = None,
     draft_budget: int | None = None,
+    runner: Runner | None = None,
 ) -> Iterator[list[int]]:
     """Yield the new tokens of each step (a list of ids) for one prompt, input_ids [1, T].
 
@@ -159,6 +141,7 @@ def decode(
     A path-aware drafter (HydraHeads, EagleDrafter) drafts its own tree every step instead, of
     draft_budget nodes (default: the drafter's own).
     ngram: add a branch of tokens copied from the context whenever its last tokens recur.
+    runner: how the base model runs (eager or compiled, which cache); default: eager.
     Stops after an EOS token (emitted), at max_new_tokens or at the context length; `stats` is
     filled in as it goes. Greedy output is token-identical to plain decoding whatever the drafts.
     """
@@ -185,10 +168,10 @@ def decode(
     # Prefill: the prompt's last position gives the first token (the first root) and the
     # hidden state the heads read for the first tree.
     t0 = time.perf_counter()
-    cache = new_cache(model)
-    positions = torch.arange(prompt_len, device=device)[None]
+    runner = runner or Runner(model)
+    cache = runner.new_cache(prompt_len + generation.max_new_tokens + 2 * depth_limit + 2)
     with torch.inference_mode():
-        logits, hidden = forward(model, input_ids, positions, None, cache, last_only=True)
+        logits, hidden = runner.prefill(input_ids, cache)
         first = accept(input_ids[0, -1:], logits, ROOT_ONLY, sampling, generator)
     root, last_hidden = first.bonus, hidden[-1]  # [], [D]
     if session is not None:
@@ -227,11 +210,8 @@ def decode(
                 tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]
             else:
                 tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
-            mask = None
-            if step_tree.num_nodes > 1:
-                mask = torch.cat([bias.new_zeros(len(tokens), prefix), bias], dim=1)[None, None]  # [1, 1, N, prefix + N]
             # 2. verify: one forward over every node, each at position prefix + depth
-            logits, hidden = forward(model, tokens[None], (prefix + step_tree.depth)[None], mask, cache)
+            logits, hidden = runner.step(tokens, prefix + step_tree.depth, bias, prefix, cache)
             # 3. accept: the longest path the base model agrees with, plus the bonus token
             result = accept(tokens, logits, step_tree, sampling, generator)
             # 4. commit: keep the accepted path's cache entries; the bonus is the next root

@@ -22,6 +22,7 @@ from . import drafters
 from .drafters import EagleDrafter, HydraHeads
 from .heads import MedusaHeads
 from .models import load_base
+from .runner import Runner
 from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, validate_paths
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
@@ -106,8 +107,11 @@ class MedusaModel:
     that drafts its own tree every step), a candidate tree, an optional n-gram branch."""
 
     def __init__(self, base, tokenizer, heads: MedusaHeads | HydraHeads | EagleDrafter | None = None, tree=None, name: str = "",
-                 ngram: NgramConfig | bool | None = None, tree_budget: int | None = None):
+                 ngram: NgramConfig | bool | None = None, tree_budget: int | None = None,
+                 runner: Runner | None = None, compile: bool = False):
         self.base = base
+        # how the base runs (eager or compiled); share one runner between models on the same base
+        self.runner = runner or Runner(base, compile=compile)
         self.tree_budget = tree_budget  # None: 16 for a dynamic tree, the checkpoint's for a drafter
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.tokenizer = tokenizer
@@ -147,6 +151,26 @@ class MedusaModel:
             raise MedusaError(f"the tree is {deepest} levels deep but the heads have only {k} heads")
         return build_tree(paths)
 
+    def tree_sizes(self, use_medusa: bool = True) -> list[int]:
+        """Node counts of the verification steps this model takes: the shapes a compiled runner needs."""
+        sizes = {1}
+        chain = self.ngram.length if (self.ngram and use_medusa) else 0
+        if not use_medusa:
+            return [1]
+        if isinstance(self.heads, (HydraHeads, EagleDrafter)):
+            kinds = {self.tree_budget or self.heads.config.draft_budget}
+        elif isinstance(self.tree, DynamicTree) and self.heads is not None:
+            kinds = {self.tree.budget}
+        else:
+            kinds = {self.tree.num_nodes if self.heads is not None else 1}
+        sizes |= kinds | ({k + chain for k in kinds} if chain else set())
+        return sorted(sizes)
+
+    def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
+        """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)
+        -> seconds; nothing to do for an eager runner."""
+        return self.runner.warmup(self.tree_sizes(use_medusa), max_slots)
+
     @property
     def device(self) -> torch.device:
         return next(self.base.parameters()).device
@@ -160,8 +184,9 @@ class MedusaModel:
         tree_budget: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "auto",
         ngram: NgramConfig | bool | None = None,
+        compile: bool = False,
     ) -> MedusaModel:
         """Load a base model (built-in alias, HF folder or .gguf) and heads.
 
@@ -170,7 +195,8 @@ class MedusaModel:
         calibrated tree.json when present, else the built-in default tree; "dynamic" re-selects
         the tree_budget most probable nodes every step. ngram: True (or an NgramConfig) adds a
         prompt-lookup branch to every tree. A hydra/eagle checkpoint drafts its own tree every
-        step (tree_budget nodes; default: the checkpoint's).
+        step (tree_budget nodes; default: the checkpoint's). compile: torch.compile the verification
+        step (static shapes, compiled on first use or by `warmup`).
         """
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if heads == "shipped":
@@ -184,7 +210,8 @@ class MedusaModel:
             heads = MedusaHeads.from_pretrained(folder)
             if tree is None and (folder / TREE_NAME).is_file():
                 tree = folder / TREE_NAME
-        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget)
+        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget,
+                   compile=compile)
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
         """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""
@@ -223,7 +250,7 @@ class MedusaModel:
         heads = self.heads if use_medusa else None
         ngram = self.ngram if use_medusa else None
         tokens = decode(self.base, input_ids, heads, self.tree, generation, sampling_config,
-                        self.eos_token_ids, stats, ngram=ngram, draft_budget=self.tree_budget)
+                        self.eos_token_ids, stats, ngram=ngram, draft_budget=self.tree_budget, runner=self.runner)
         return TextStream(self.tokenizer, tokens, stats, generation, self.eos_token_ids)
 
     def generate(self, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationOutput:

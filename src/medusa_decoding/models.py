@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import fits_short_query_attention, register_attention
 from .config import DEFAULT_MODEL, MedusaError
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ def load_base(
 ):
     """Load a base causal LM and its tokenizer, frozen, in eval mode.
 
+    attn_implementation: any transformers name, or "auto": the short-query kernel of attention.py
+    ("medusa") where the model fits it (decoding), else sdpa.
     Returns (model, tokenizer, folder) where folder is the local HF folder it came from.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,10 +142,19 @@ def load_base(
     torch_dtype = resolve_dtype(dtype, dev)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation=attn_implementation
+            folder, dtype=torch_dtype, attn_implementation="sdpa" if attn_implementation == "auto" else attn_implementation
         )
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise MedusaError(f"cannot load model from {folder}: {str(e).splitlines()[0]}") from e
     model.to(dev).eval().requires_grad_(False)
+    if attn_implementation == "auto":
+        use_fast_attention(model)
     return model, tokenizer, folder
+
+
+def use_fast_attention(model) -> str:
+    """Switch the model to the short-query attention kernel where it fits -> the implementation in use."""
+    if fits_short_query_attention(model.config):
+        model.set_attn_implementation(register_attention())
+    return model.config._attn_implementation
