@@ -74,6 +74,7 @@ class BenchConfig:
     tree_budget: int | None = None  # nodes of the "dynamic" method's tree (16) or a drafter's (its own)
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
+    compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -227,14 +228,16 @@ def _sync(device: torch.device) -> None:
 
 
 def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
-    """`plain` (use_medusa=False) or `medusa`: our engine, timed end to end."""
+    """`plain` (use_medusa=False) or `medusa`: our engine, timed end to end, less the time a compiled
+    runner spent compiling a new shape during the call (reported apart)."""
     def generate(input_ids, max_new_tokens, seed):
         sampling = dict(temperature=temperature, seed=seed) if temperature > 0 else {}
+        compiling = model.runner.compile_s
         _sync(model.device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, use_medusa=use_medusa, **sampling)
         _sync(model.device)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - (model.runner.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
     return generate
 
@@ -255,10 +258,15 @@ def hf_method(model, temperature: float, prompt_lookup: int | None) -> Generate:
             kwargs.update(do_sample=False)
         if prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+        engine_attention = model.base.config._attn_implementation
+        model.base.set_attn_implementation("sdpa")  # transformers as a user runs it
         _sync(model.device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.base.generate(input_ids, **kwargs)
+        try:
+            with torch.inference_mode():
+                out = model.base.generate(input_ids, **kwargs)
+        finally:
+            model.base.set_attn_implementation(engine_attention)
         _sync(model.device)
         wall = time.perf_counter() - t0
         new = out[0, input_ids.shape[1]:].tolist()
@@ -334,12 +342,14 @@ def build_methods(cfg: BenchConfig):
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
         kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
     base = MedusaModel.from_pretrained(cfg.model, heads=heads if want_heads else None,
-                                       dtype=cfg.dtype, device=cfg.device, tree_budget=cfg.tree_budget)
+                                       dtype=cfg.dtype, device=cfg.device, tree_budget=cfg.tree_budget,
+                                       compile=cfg.compile)
     ngram = NgramConfig(length=cfg.ngram_length)
     methods: dict[str, Generate] = {}
     for kind in kinds:
         name, plus, _ = kind.partition("+")
-        variant = dict(name=base.name, ngram=ngram if plus else None, tree_budget=cfg.tree_budget)
+        # one runner for all: compiled graphs are shared by every method on this base
+        variant = dict(name=base.name, ngram=ngram if plus else None, tree_budget=cfg.tree_budget, runner=base.runner)
         if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)
         elif name == "plain":  # prompt lookup alone, in our engine
@@ -495,12 +505,19 @@ def write_report(path: Path, results: dict) -> None:
     path.write_text("\n".join(out))
 
 
+def engine_line(engine: dict | None) -> str:
+    if not engine or not engine["compiled"]:
+        return "Engine: eager."
+    return (f"Engine: compiled verify step, {len(engine['graphs'])} graphs (nodes, width, slots), "
+            f"{engine['compile_s']:.0f} s compiling, left out of the timings.")
+
+
 def method_report(results: dict) -> list[str]:
     summary, methods = results["summary"], results["methods"]
     cats = list(summary)
     out = [f"{results['prompts']} prompts, {results['config']['repeats']} repeat(s), max {results['config']['max_new_tokens']} "
            f"new tokens per turn, temperature {results['config']['temperature']}, {results['machine']['dtype']} on "
-           f"{results['machine']['device']}. Speed-ups: median of per-prompt ratios.", "",
+           f"{results['machine']['device']}. Speed-ups: median of per-prompt ratios. {engine_line(results.get('engine'))}", "",
            "## Overall", "", markdown_table(OVERALL_HEADER, [[m] + method_row(summary["overall"][m], results["identity"].get(m))
                                                            for m in methods]), "",
            identity_line(results["identity"]), ""]
@@ -584,6 +601,7 @@ def machine_info(model) -> dict:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "dtype": str(model.base.dtype).removeprefix("torch."), "device": str(model.device),
+            "attention": model.base.config._attn_implementation,
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,  # other jobs skew timings
             "git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),
             "command": shlex.join(sys.argv)}
@@ -860,10 +878,14 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
 
     names = list(methods)
     categories = list(dict.fromkeys(p.category for p in prompts))
+    runner = model.runner
+    compiled = {"compiled": runner.compiled is not None, "compile_s": round(runner.compile_s, 1),
+                "graphs": sorted(runner.shapes)}
     if cfg.temperature > 0:
         identity = {m: {"skipped": "sampling (temperature > 0): outputs are not expected to match"}
                     for m in names if m != REFERENCE}
     else:
         identity = {m: identity_check(records, m) for m in names if m != REFERENCE and REFERENCE in names}
     return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
+            "engine": compiled,
             "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}
