@@ -8,7 +8,8 @@ Glossary: T prompt length, n tokens of one forward (tree nodes), S cache slots, 
   frozen into the graph (inductor freezing: on CPU the linear layers then run on prepacked oneDNN
   weights, the main gain). Shapes are static, one graph per (nodes n, read width): the width is
   rounded up to a power of two (at least MIN_WIDTH) and the rest is masked, so a handful of graphs
-  cover a generation. A symbolic size made the frozen graph ~20x slower here, hence static shapes.
+  cover a generation; the cache is allocated once for the whole context, its size being part of
+  every graph. A symbolic size made the frozen graph ~20x slower here, hence static shapes.
   The prefill stays eager (one call, any length). `warmup` compiles ahead of time.
 """
 
@@ -26,6 +27,7 @@ from .config import MedusaError
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 256
+COMPILED_SLOTS = 8192  # slots of the compiled path's cache (SmolLM2: 189 MB in bf16), more only if needed
 RECOMPILE_LIMIT = 64  # graphs per process: (nodes, width) pairs; torch's default of 8 is too few
 
 
@@ -77,9 +79,13 @@ class Runner:
             return new_cache(self.model)
         if self.compiled is None:
             return SlotCache(self.model, slots)
+        # the buffers' size is part of every graph: allocate the context once (up to COMPILED_SLOTS)
+        # rather than grow, which would recompile every shape
+        context = self.model.config.get_text_config().max_position_embeddings
+        capacity = round_width(max(slots, min(context, COMPILED_SLOTS)))
         if self.cache is None:
-            self.cache = SlotCache(self.model, round_width(slots))
-        self.cache.grow(round_width(slots))
+            self.cache = SlotCache(self.model, capacity)
+        self.cache.grow(capacity)
         self.cache.length = 0
         return self.cache
 

@@ -1,0 +1,93 @@
+"""Where the time of one verification step goes: the reference path (transformers' SDPA and
+DynamicCache), the eager fast path (short-query attention, slot cache) and the compiled step.
+
+    .venv/bin/python scripts/profile_step.py --prefix 200 --nodes 1,16 --threads 2
+
+Prints the median step time of each path (interleaved rounds) and torch.profiler's top operators.
+Run it on a quiet machine: other jobs skew every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from medusa_decoding.cache import SlotCache
+from medusa_decoding.decode import tree_bias
+from medusa_decoding.models import load_base, use_fast_attention
+from medusa_decoding.runner import Runner
+from medusa_decoding.tree import build_tree
+
+
+def chain(n: int):
+    return build_tree([(0,) * d for d in range(1, n)])  # n nodes, each sees all before it
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
+    ap.add_argument("--nodes", default="1,16", help="comma-separated tree sizes to time")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--paths", default="reference,eager,compiled")
+    ap.add_argument("--top", type=int, default=8, help="operators shown per profile")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _, _ = load_base(args.model, dtype=args.dtype, device="cpu", attn_implementation="sdpa")
+    sizes = [int(n) for n in args.nodes.split(",")]
+    paths = args.paths.split(",")
+    prompt = torch.randint(100, 10_000, (1, args.prefix), generator=torch.Generator().manual_seed(0))
+    attention = {"reference": "sdpa", "eager": use_fast_attention(model), "compiled": model.config._attn_implementation}
+    runners = {"reference": Runner(model, slots=False), "eager": Runner(model), "compiled": Runner(model, compile=True)}
+
+    def step_fn(path: str, n: int):
+        runner, tree = runners[path], chain(n)
+        model.set_attn_implementation(attention[path])
+        cache = runner.new_cache(args.prefix + n)
+        runner.prefill(prompt, cache)
+        tokens = torch.full((n,), 42)
+        bias = tree_bias(tree, model.dtype, "cpu")
+
+        def step():
+            runner.step(tokens, args.prefix + tree.depth, bias, args.prefix, cache)
+            if not isinstance(cache, SlotCache):
+                cache.crop(-n)  # DynamicCache: drop the step's entries again (a slot cache overwrites them)
+        return step
+
+    with torch.inference_mode():
+        steps = {}
+        for path in paths:
+            for n in sizes:
+                steps[path, n] = step_fn(path, n)
+                t0 = time.perf_counter()
+                model.set_attn_implementation(attention[path])
+                steps[path, n]()  # compiles the compiled path's graph
+                if path == "compiled":
+                    print(f"compiled {n} nodes: first call {time.perf_counter() - t0:.1f} s")
+        times = {key: [] for key in steps}
+        for _ in range(args.rounds):  # interleaved: drift hits every path alike
+            for key, step in steps.items():
+                model.set_attn_implementation(attention[key[0]])
+                t0 = time.perf_counter()
+                step()
+                times[key].append(time.perf_counter() - t0)
+        print(f"\nstep time, median of {args.rounds} (ms), prefix {args.prefix}, {args.dtype}, {args.threads} threads")
+        for (path, n), ts in times.items():
+            print(f"  {path:9s} {n:3d} nodes  {statistics.median(ts) * 1000:6.2f}")
+        for (path, n), step in steps.items():
+            model.set_attn_implementation(attention[path])
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step()
+            print(f"\n{path}, {n} nodes: top operators (5 steps)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
