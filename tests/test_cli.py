@@ -25,6 +25,9 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     code, out2, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--no-medusa",
                              "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
     assert code == 0 and out2 == out and err.splitlines()[-1].startswith("[plain]")
+    code, out3, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--no-medusa",
+                             "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu", "--compile")
+    assert code == 0 and out3 == out and "s of it compiling" in err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("args, message", [

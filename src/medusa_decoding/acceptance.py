@@ -52,8 +52,9 @@ def _longest_path(ok: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
     paths = tree.retrieve  # [P, L]
     on_path = ok[paths.clamp(min=0)] & (paths >= 0)  # [P, L]
     run = on_path.long().cumprod(-1).sum(-1)  # [P] accepted nodes on each path, root included
-    best = int(run.argmax())  # argmax returns the first maximum: ties go to the first path
-    return paths[best, : int(run[best])]
+    # argmax returns the first maximum: ties go to the first path; one read for both numbers
+    best, length = torch.stack([run.argmax(), run.max()]).tolist()
+    return paths[best, :length]
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
