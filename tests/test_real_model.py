@@ -82,3 +82,22 @@ def test_shipped_drafters_fit_and_stay_lossless(smollm, kind):
     out = fast.generate(prompt, max_new_tokens=64)
     assert out.token_ids == plain.token_ids
     assert out.stats.mean_accepted_length > 1.8  # trained drafter: well over one token per step
+
+
+def test_fast_and_compiled_paths_give_the_reference_tokens(smollm):
+    """fp32 greedy: transformers' SDPA + DynamicCache == the short-query kernel + slot cache ==
+    the compiled step, on a prompt long enough (> 80 keys) for the kernel's own path."""
+    from medusa_decoding.runner import Runner
+
+    ids = smollm.encode("Repeat this list, then add two items of your own: " + ", ".join(
+        ["apples", "pears", "plums", "figs", "dates", "limes", "kiwis", "grapes"] * 4))
+    assert ids.shape[1] > 80 and smollm.base.config._attn_implementation == "medusa"
+    fast = smollm.generate(ids, max_new_tokens=24, use_medusa=False)
+    compiled = MedusaModel(smollm.base, smollm.tokenizer, compile=True)
+    assert compiled.generate(ids, max_new_tokens=24, use_medusa=False).token_ids == fast.token_ids
+    smollm.base.set_attn_implementation("sdpa")
+    try:
+        reference = MedusaModel(smollm.base, smollm.tokenizer, runner=Runner(smollm.base, slots=False))
+        assert reference.generate(ids, max_new_tokens=24, use_medusa=False).token_ids == fast.token_ids
+    finally:
+        smollm.base.set_attn_implementation("medusa")

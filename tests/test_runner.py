@@ -146,3 +146,12 @@ def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
         assert model.generate(ids, max_new_tokens=40, use_medusa=False, ignore_eos=True).token_ids == want
         assert model.generate(ids, max_new_tokens=40, ignore_eos=True).token_ids == want
     assert model.runner.compile_s == before
+    # two generations at once: the second gets its own cache, neither disturbs the other
+    first, second = long_prompts(2, length=120)
+    want = [generate(reference, p, runner=Runner(reference, slots=False), max_new_tokens=20) for p in (first, second)]
+    streams = [model.stream(torch.tensor([p]), max_new_tokens=20, use_medusa=False, ignore_eos=True) for p in (first, second)]
+    iterators = [iter(s) for s in streams]
+    for _ in range(25):
+        for it in iterators:
+            next(it, None)
+    assert [s.token_ids for s in streams] == want and not model.runner.cache.busy

@@ -29,7 +29,8 @@ def short_query_attention(module, query, key, value, attention_mask, dropout: fl
 
     b, h, n, d = query.shape
     g, s = key.shape[1], key.shape[2]
-    if n > SHORT_QUERY or s < MIN_KEYS or dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+    special = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    if n > SHORT_QUERY or s < MIN_KEYS or dropout > 0 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scaling = d**-0.5 if scaling is None else scaling

@@ -69,6 +69,7 @@ class SlotCache(Cache):
         self.length = 0  # slots [0, length) hold the committed sequence
         self.write_slots = torch.arange(0, device=param.device)  # [n]: where the next forward writes
         self.width = 0  # slots the next forward's attention reads
+        self.busy = False  # held by a running generation (a compiled runner shares one cache)
         super().__init__(layers=[
             SlotLayer(self, param.new_zeros(shape), param.new_zeros(shape)) for _ in range(text.num_hidden_layers)
         ])

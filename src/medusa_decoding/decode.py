@@ -170,80 +170,83 @@ def decode(
     t0 = time.perf_counter()
     runner = runner or Runner(model)
     cache = runner.new_cache(prompt_len + generation.max_new_tokens + 2 * depth_limit + 2)
-    with torch.inference_mode():
-        logits, hidden = runner.prefill(input_ids, cache)
-        first = accept(input_ids[0, -1:], logits, ROOT_ONLY, sampling, generator)
-    root, last_hidden = first.bonus, hidden[-1]  # [], [D]
-    if session is not None:
-        session.advance(hidden, torch.cat([input_ids[0, 1:], root.reshape(1)]))
-    prefix = prompt_len  # tokens in the cache; the root is emitted but not yet cached
-    token = int(root)
-    context = np.array(input_ids[0].tolist() + [token], dtype=np.int64)  # for the n-gram proposer
-    stats.new_tokens = 1
-    stats.prefill_s = time.perf_counter() - t0
-    yield [token]
-    if (token in eos_token_ids and not generation.ignore_eos) or generation.max_new_tokens == 1:
-        return
-
-    t0 = time.perf_counter()
-    while prefix + 1 < ctx:
+    try:
         with torch.inference_mode():
-            # 1. propose: the heads read the last accepted position (a hydra/eagle drafter drafts
-            #    a tree node by node); an n-gram branch joins when the context's last tokens
-            #    occurred before; the step's tree takes both
-            copied = ngram_proposer.propose(context) if ngram_proposer else None
-            with_ngram = copied is not None and len(copied) > 0
-            if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree
-                step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
-            elif session is not None:  # a path-aware drafter drafts the step's tree itself
-                draft = session.propose(root)
-                step_tree = tree_from_parents(draft.parent, draft.depth, draft.max_depth,
-                                              ngram.length if with_ngram else 0)
-                bias, head_topk = tree_bias(step_tree, model.dtype, device), None
-            else:
-                head_logits = None
-                if heads is not None:
-                    head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
-                step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
-            ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
-            if session is not None and step_tree.num_nodes > 1:
-                tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]
-            else:
-                tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
-            # 2. verify: one forward over every node, each at position prefix + depth
-            logits, hidden = runner.step(tokens, prefix + step_tree.depth, bias, prefix, cache)
-            # 3. accept: the longest path the base model agrees with, plus the bonus token
-            result = accept(tokens, logits, step_tree, sampling, generator)
-            # 4. commit: keep the accepted path's cache entries; the bonus is the next root
-            keep_path(cache, prefix, result.nodes)
-            emitted = torch.cat([tokens[result.nodes[1:]], result.bonus.reshape(1)])  # [A]
-            if session is not None:  # the drafter reads the verified features of the accepted path
-                session.advance(hidden[result.nodes], emitted)
-        new = emitted.tolist()  # one host read: the accepted candidates and the bonus token
-        prefix += len(new)
-        root, last_hidden = result.bonus, hidden[result.nodes[-1]]
-        stats.steps += 1
-        stats.accepted_lengths.append(len(new))
-        for d in range(len(new) - 1):
-            stats.accepted_per_depth[d] += 1
-        if with_ngram:
-            stats.ngram_steps += 1
-            if len(new) > 1 and int(result.nodes[1]) >= step_tree.num_nodes - step_tree.ngram_length:
-                stats.ngram_accepted += len(new) - 1
-
-        room = generation.max_new_tokens - stats.new_tokens
-        new = new[:room]
-        if not generation.ignore_eos:
-            for i, t in enumerate(new):
-                if t in eos_token_ids:
-                    new = new[: i + 1]
-                    break
-        if ngram_proposer:
-            context = np.concatenate([context, np.array(new, dtype=np.int64)])
-        stats.new_tokens += len(new)
-        stats.decode_s = time.perf_counter() - t0
-        yield new
-        if stats.new_tokens >= generation.max_new_tokens or (
-            not generation.ignore_eos and new[-1] in eos_token_ids
-        ):
+            logits, hidden = runner.prefill(input_ids, cache)
+            first = accept(input_ids[0, -1:], logits, ROOT_ONLY, sampling, generator)
+        root, last_hidden = first.bonus, hidden[-1]  # [], [D]
+        if session is not None:
+            session.advance(hidden, torch.cat([input_ids[0, 1:], root.reshape(1)]))
+        prefix = prompt_len  # tokens in the cache; the root is emitted but not yet cached
+        token = int(root)
+        context = np.array(input_ids[0].tolist() + [token], dtype=np.int64)  # for the n-gram proposer
+        stats.new_tokens = 1
+        stats.prefill_s = time.perf_counter() - t0
+        yield [token]
+        if (token in eos_token_ids and not generation.ignore_eos) or generation.max_new_tokens == 1:
             return
+
+        t0 = time.perf_counter()
+        while prefix + 1 < ctx:
+            with torch.inference_mode():
+                # 1. propose: the heads read the last accepted position (a hydra/eagle drafter drafts
+                #    a tree node by node); an n-gram branch joins when the context's last tokens
+                #    occurred before; the step's tree takes both
+                copied = ngram_proposer.propose(context) if ngram_proposer else None
+                with_ngram = copied is not None and len(copied) > 0
+                if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree
+                    step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
+                elif session is not None:  # a path-aware drafter drafts the step's tree itself
+                    draft = session.propose(root)
+                    step_tree = tree_from_parents(draft.parent, draft.depth, draft.max_depth,
+                                                  ngram.length if with_ngram else 0)
+                    bias, head_topk = tree_bias(step_tree, model.dtype, device), None
+                else:
+                    head_logits = None
+                    if heads is not None:
+                        head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
+                    step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
+                ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
+                if session is not None and step_tree.num_nodes > 1:
+                    tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]
+                else:
+                    tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
+                # 2. verify: one forward over every node, each at position prefix + depth
+                logits, hidden = runner.step(tokens, prefix + step_tree.depth, bias, prefix, cache)
+                # 3. accept: the longest path the base model agrees with, plus the bonus token
+                result = accept(tokens, logits, step_tree, sampling, generator)
+                # 4. commit: keep the accepted path's cache entries; the bonus is the next root
+                keep_path(cache, prefix, result.nodes)
+                emitted = torch.cat([tokens[result.nodes[1:]], result.bonus.reshape(1)])  # [A]
+                if session is not None:  # the drafter reads the verified features of the accepted path
+                    session.advance(hidden[result.nodes], emitted)
+            new = emitted.tolist()  # one host read: the accepted candidates and the bonus token
+            prefix += len(new)
+            root, last_hidden = result.bonus, hidden[result.nodes[-1]]
+            stats.steps += 1
+            stats.accepted_lengths.append(len(new))
+            for d in range(len(new) - 1):
+                stats.accepted_per_depth[d] += 1
+            if with_ngram:
+                stats.ngram_steps += 1
+                if len(new) > 1 and int(result.nodes[1]) >= step_tree.num_nodes - step_tree.ngram_length:
+                    stats.ngram_accepted += len(new) - 1
+
+            room = generation.max_new_tokens - stats.new_tokens
+            new = new[:room]
+            if not generation.ignore_eos:
+                for i, t in enumerate(new):
+                    if t in eos_token_ids:
+                        new = new[: i + 1]
+                        break
+            if ngram_proposer:
+                context = np.concatenate([context, np.array(new, dtype=np.int64)])
+            stats.new_tokens += len(new)
+            stats.decode_s = time.perf_counter() - t0
+            yield new
+            if stats.new_tokens >= generation.max_new_tokens or (
+                not generation.ignore_eos and new[-1] in eos_token_ids
+            ):
+                return
+    finally:  # a compiled runner hands its cache to the next generation
+        runner.release(cache)

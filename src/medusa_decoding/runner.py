@@ -83,11 +83,18 @@ class Runner:
         # rather than grow, which would recompile every shape
         context = self.model.config.get_text_config().max_position_embeddings
         capacity = round_width(max(slots, min(context, COMPILED_SLOTS)))
+        if self.cache is not None and self.cache.busy:  # another generation is still running
+            return SlotCache(self.model, capacity)
         if self.cache is None:
             self.cache = SlotCache(self.model, capacity)
         self.cache.grow(capacity)
-        self.cache.length = 0
+        self.cache.length, self.cache.busy = 0, True
         return self.cache
+
+    def release(self, cache) -> None:
+        """The generation that used `cache` has ended."""
+        if cache is self.cache:
+            cache.busy = False
 
     def prefill(self, input_ids: torch.Tensor, cache):
         """input_ids [1, T] -> logits [1, V] of the last position, hidden [T, D] (always eager)."""
@@ -155,5 +162,5 @@ class Runner:
                     positions = torch.arange(prefix, prefix + n, device=self.device)
                     bias = None if n == 1 else torch.zeros(n, n, dtype=self.model.dtype, device=self.device)
                     self.step(tokens, positions, bias, prefix, cache)
-        cache.length = 0
+        self.release(cache)
         return time.perf_counter() - t0
