@@ -82,6 +82,11 @@ def test_shipped_drafters_fit_and_stay_lossless(smollm, kind):
     out = fast.generate(prompt, max_new_tokens=64)
     assert out.token_ids == plain.token_ids
     assert out.stats.mean_accepted_length > 1.8  # trained drafter: well over one token per step
+    copy = ("Fix the grammar of this text and return it: The cat sit on the mat and the dog are sleeping "
+            "near the door while the children plays in the garden.")
+    plain = smollm.generate(copy, max_new_tokens=48)
+    out = fast.generate(copy, max_new_tokens=48)
+    assert out.token_ids == plain.token_ids and out.stats.copy_steps > 0  # steps on the chain alone
 
 
 def test_fast_and_compiled_paths_give_the_reference_tokens(smollm):

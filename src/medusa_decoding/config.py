@@ -168,7 +168,10 @@ class NgramConfig:
     length: int = 8  # tokens proposed: nodes of the n-gram chain under the root
     max_ngram: int = 3  # the longest suffix is matched first
     min_ngram: int = 1
+    # after a step that accepted this many n-gram tokens, the next step verifies the n-gram chain
+    # alone: no drafting, a smaller tree while the answer copies its context; 0: never
+    copy_run: int = 4
 
     def __post_init__(self) -> None:
-        if self.length < 1 or not 1 <= self.min_ngram <= self.max_ngram:
-            raise MedusaError("n-gram branch: need length >= 1 and 1 <= min_ngram <= max_ngram")
+        if self.length < 1 or not 1 <= self.min_ngram <= self.max_ngram or self.copy_run < 0:
+            raise MedusaError("n-gram branch: need length >= 1, 1 <= min_ngram <= max_ngram and copy_run >= 0")

@@ -40,6 +40,7 @@ class GenerationStats:
     decode_s: float = 0.0
     ngram_steps: int = 0  # steps whose tree carried an n-gram branch
     ngram_accepted: int = 0  # candidates accepted on the n-gram branch
+    copy_steps: int = 0  # steps that verified the n-gram chain alone (NgramConfig.copy_run)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -72,7 +73,7 @@ class GenerationStats:
             "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
             "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "tokens_per_s": self.tokens_per_s, "ngram_steps": self.ngram_steps,
-            "ngram_accepted": self.ngram_accepted,
+            "ngram_accepted": self.ngram_accepted, "copy_steps": self.copy_steps,
         }
 
 
@@ -161,6 +162,8 @@ def decode(
     trees = StepTrees(tree if heads is not None else ROOT_ONLY, ngram.length if ngram else 0, model.dtype, device)
     lm_head = model.get_output_embeddings()
     ngram_proposer = NgramProposer(ngram) if ngram is not None else None
+    copy_trees = StepTrees(ROOT_ONLY, ngram.length, model.dtype, device) if ngram is not None else None
+    copying = False  # the last step accepted ngram.copy_run tokens or more from the n-gram chain
     stats.prompt_tokens = prompt_len
     depth_limit = max(trees.depth_limit, session.depth if session else 0, ngram.length if ngram else 0)
     stats.accepted_per_depth = [0] * depth_limit
@@ -194,8 +197,12 @@ def decode(
                 #    occurred before; the step's tree takes both
                 copied = ngram_proposer.propose(context) if ngram_proposer else None
                 with_ngram = copied is not None and len(copied) > 0
+                draft = None
                 if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree
                     step_tree, bias, head_topk, with_ngram = ROOT_ONLY, None, None, False
+                elif copying and with_ngram:  # the answer copies its context: the chain alone
+                    step_tree, bias, head_topk = copy_trees.pick(True, None)
+                    stats.copy_steps += 1
                 elif session is not None:  # a path-aware drafter drafts the step's tree itself
                     draft = session.propose(root)
                     step_tree = tree_from_parents(draft.parent, draft.depth, draft.max_depth,
@@ -207,7 +214,7 @@ def decode(
                         head_logits = heads(last_hidden, lm_head, num_heads=trees.heads_needed)  # [K, V]
                     step_tree, bias, head_topk = trees.pick(with_ngram, head_logits)
                 ngram_tokens = ngram_proposer.padded(copied, device) if with_ngram else None  # [L]
-                if session is not None and step_tree.num_nodes > 1:
+                if draft is not None and step_tree.num_nodes > 1:
                     tokens = torch.cat([draft.tokens] + ([ngram_tokens] if with_ngram else []))  # [N]
                 else:
                     tokens = tree_tokens(step_tree, root, head_topk, ngram_tokens)  # [N]
@@ -227,10 +234,12 @@ def decode(
             stats.accepted_lengths.append(len(new))
             for d in range(len(new) - 1):
                 stats.accepted_per_depth[d] += 1
+            copying = False
             if with_ngram:
                 stats.ngram_steps += 1
                 if len(new) > 1 and int(result.nodes[1]) >= step_tree.num_nodes - step_tree.ngram_length:
                     stats.ngram_accepted += len(new) - 1
+                    copying = 0 < ngram.copy_run <= len(new) - 1
 
             room = generation.max_new_tokens - stats.new_tokens
             new = new[:room]
