@@ -19,20 +19,22 @@ class NgramProposer:
     def __init__(self, config: NgramConfig):
         self.config = config
 
-    def propose(self, context: np.ndarray) -> np.ndarray | None:
-        """context [T] int64 (prompt and emitted tokens, the root last) -> tokens [<= L] or None."""
+    def propose(self, context: np.ndarray, length: int | None = None) -> np.ndarray | None:
+        """context [T] int64 (prompt and emitted tokens, the root last) -> tokens [<= L] or None
+        (L: `length`, default the config's)."""
         cfg = self.config
+        length = length or cfg.length
         for n in range(min(cfg.max_ngram, len(context) - 1), cfg.min_ngram - 1, -1):
             windows = sliding_window_view(context[:-1], n)  # [T-n, n]: every earlier n-gram
             hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
             if hits.size:
                 start = hits[-1] + n
-                return context[start : start + cfg.length]
+                return context[start : start + length]
         return None
 
-    def padded(self, proposal: np.ndarray, device) -> torch.Tensor:
-        """tokens [<= L] -> [L] long: short proposals repeat their last token (a wrong guess
-        is simply rejected; the verification decides)."""
-        out = np.full(self.config.length, proposal[-1], dtype=np.int64)
+    def padded(self, proposal: np.ndarray, device, length: int | None = None) -> torch.Tensor:
+        """tokens [<= L] -> [L] long (L: `length`, default the config's): short proposals repeat
+        their last token (a wrong guess is simply rejected; the verification decides)."""
+        out = np.full(length or self.config.length, proposal[-1], dtype=np.int64)
         out[: len(proposal)] = proposal
         return torch.from_numpy(out).to(device)
