@@ -165,7 +165,8 @@ def decode(
     copy_trees = StepTrees(ROOT_ONLY, ngram.copy_length, model.dtype, device) if ngram is not None else None
     copying = False  # the last step accepted ngram.copy_run tokens or more from the n-gram chain
     stats.prompt_tokens = prompt_len
-    depth_limit = max(trees.depth_limit, session.depth if session else 0, ngram.length if ngram else 0)
+    depth_limit = max(trees.depth_limit, session.depth if session else 0,
+                      max(ngram.length, ngram.copy_length) if ngram else 0)
     stats.accepted_per_depth = [0] * depth_limit
 
     # Prefill: the prompt's last position gives the first token (the first root) and the
