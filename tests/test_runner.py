@@ -135,7 +135,7 @@ def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
     heads = random_heads(reference)
     tok = byte_tokenizer()
     model = MedusaModel(fast, tok, heads=heads, ngram=NgramConfig(length=4), compile=True)
-    assert model.tree_sizes() == sorted({1, 1 + model.ngram.copy_length, model.tree.num_nodes, build_tree(DEFAULT_TREE, 4).num_nodes})
+    assert model.tree_sizes() == sorted({1, 1 + model.ngram.copy_chain, model.tree.num_nodes, build_tree(DEFAULT_TREE, 4).num_nodes})
     spent = model.warmup(300) + model.warmup(300, use_medusa=False)
     assert spent > 0 and {(n, w) for n, w, _ in model.runner.shapes} == {
         (n, w) for n in model.tree_sizes() for w in (256, 512)}

@@ -171,8 +171,13 @@ class NgramConfig:
     # after a step that accepted this many n-gram tokens, the next step verifies the n-gram chain
     # alone: no drafting, a smaller tree while the answer copies its context; 0: never
     copy_run: int = 4
-    copy_length: int = 12  # tokens of the chain on those steps (verifying 13 tokens costs ~1.2x one)
+    copy_length: int = 12  # tokens of the chain on those steps, at least `length` (13 tokens cost ~1.2x one)
 
     def __post_init__(self) -> None:
         if min(self.length, self.copy_length) < 1 or not 1 <= self.min_ngram <= self.max_ngram or self.copy_run < 0:
             raise MedusaError("n-gram branch: need length, copy_length >= 1, 1 <= min_ngram <= max_ngram, copy_run >= 0")
+
+    @property
+    def copy_chain(self) -> int:
+        """Tokens of the chain a copy step verifies."""
+        return max(self.copy_length, self.length)

@@ -162,11 +162,10 @@ def decode(
     trees = StepTrees(tree if heads is not None else ROOT_ONLY, ngram.length if ngram else 0, model.dtype, device)
     lm_head = model.get_output_embeddings()
     ngram_proposer = NgramProposer(ngram) if ngram is not None else None
-    copy_trees = StepTrees(ROOT_ONLY, ngram.copy_length, model.dtype, device) if ngram is not None else None
+    copy_trees = StepTrees(ROOT_ONLY, ngram.copy_chain, model.dtype, device) if ngram is not None else None
     copying = False  # the last step accepted ngram.copy_run tokens or more from the n-gram chain
     stats.prompt_tokens = prompt_len
-    depth_limit = max(trees.depth_limit, session.depth if session else 0,
-                      max(ngram.length, ngram.copy_length) if ngram else 0)
+    depth_limit = max(trees.depth_limit, session.depth if session else 0, ngram.copy_chain if ngram else 0)
     stats.accepted_per_depth = [0] * depth_limit
 
     # Prefill: the prompt's last position gives the first token (the first root) and the
@@ -196,7 +195,7 @@ def decode(
                 # 1. propose: the heads read the last accepted position (a hydra/eagle drafter drafts
                 #    a tree node by node); an n-gram branch joins when the context's last tokens
                 #    occurred before; the step's tree takes both
-                copied = ngram_proposer.propose(context, ngram.copy_length if copying else None) if ngram else None
+                copied = ngram_proposer.propose(context, ngram.copy_chain if copying else None) if ngram else None
                 with_ngram = copied is not None and len(copied) > 0
                 draft = None
                 if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree

@@ -163,7 +163,7 @@ class MedusaModel:
             kinds = {self.tree.budget}
         else:
             kinds = {self.tree.num_nodes if self.heads is not None else 1}
-        sizes |= kinds | ({k + chain for k in kinds} | {1 + self.ngram.copy_length} if chain else set())
+        sizes |= kinds | ({k + chain for k in kinds} | {1 + self.ngram.copy_chain} if chain else set())
         return sorted(sizes)
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
