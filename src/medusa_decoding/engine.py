@@ -153,17 +153,17 @@ class MedusaModel:
 
     def tree_sizes(self, use_medusa: bool = True) -> list[int]:
         """Node counts of the verification steps this model takes: the shapes a compiled runner needs."""
-        sizes = {1}
-        chain = self.ngram.length if (self.ngram and use_medusa) else 0
         if not use_medusa:
             return [1]
         if isinstance(self.heads, (HydraHeads, EagleDrafter)):
-            kinds = {self.tree_budget or self.heads.config.draft_budget}
+            trees = {self.tree_budget or self.heads.config.draft_budget}
         elif isinstance(self.tree, DynamicTree) and self.heads is not None:
-            kinds = {self.tree.budget}
+            trees = {self.tree.budget}
         else:
-            kinds = {self.tree.num_nodes if self.heads is not None else 1}
-        sizes |= kinds | ({k + chain for k in kinds} | {1 + self.ngram.copy_chain} if chain else set())
+            trees = {self.tree.num_nodes if self.heads is not None else 1}
+        sizes = {1} | trees  # 1: steps near the context end
+        if self.ngram:  # with the n-gram chain, and the chain alone on copy steps
+            sizes |= {n + self.ngram.length for n in trees} | {1 + self.ngram.copy_chain}
         return sorted(sizes)
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
