@@ -65,7 +65,6 @@ class SlotCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         param = next(model.parameters())
         shape = (batch, text.num_key_value_heads, capacity, head_dim)  # [B, G, S, d]
-        self.capacity = capacity
         self.length = 0  # slots [0, length) hold the committed sequence
         self.write_slots = torch.arange(0, device=param.device)  # [n]: where the next forward writes
         self.width = 0  # slots the next forward's attention reads
@@ -73,6 +72,10 @@ class SlotCache(Cache):
         super().__init__(layers=[
             SlotLayer(self, param.new_zeros(shape), param.new_zeros(shape)) for _ in range(text.num_hidden_layers)
         ])
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[2]
 
     def reserve(self, start: int, n: int, width: int | None = None) -> None:
         """The next forward writes its n tokens at slots start .. start+n-1 and attends to the first
@@ -105,7 +108,6 @@ class SlotCache(Cache):
                 new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
                 new[:, :, : self.length] = old[:, :, : self.length]
                 setattr(layer, name, new)
-        self.capacity = capacity
 
 
 def new_cache(model):

@@ -195,7 +195,7 @@ def decode(
                 # 1. propose: the heads read the last accepted position (a hydra/eagle drafter drafts
                 #    a tree node by node); an n-gram branch joins when the context's last tokens
                 #    occurred before; the step's tree takes both
-                copied = ngram_proposer.propose(context, ngram.copy_chain if copying else None) if ngram else None
+                copied = ngram_proposer.propose(context, ngram.copy_chain if copying else None) if ngram_proposer else None
                 with_ngram = copied is not None and len(copied) > 0
                 draft = None
                 if prefix + depth_limit + 2 > ctx:  # too close to the context end for a tree
