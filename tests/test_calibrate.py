@@ -52,10 +52,13 @@ def test_head_accuracy_scores_head_k_against_token_t_plus_k_plus_1(model):
 
 
 def test_latency_and_calibrated_tree_file(model, tmp_path):
-    lat = cal.verify_latency(model, sizes=(1, 2, 4), prefix_len=16, repeats=2)
+    from medusa_decoding.verifiers.transformers import EagerBackend
+
+    backend = EagerBackend(model)
+    lat = cal.verify_latency(backend, sizes=(1, 2, 4), prefix_len=16, repeats=2)
     assert lat[1] == 1.0 and all(v > 0 for v in lat.values())
     heads = random_heads(model)
-    cost = cal.heads_latency(model, heads, repeats=3)
+    cost = cal.heads_latency(backend, heads, repeats=3)
     assert len(cost) == 4 and all(c > 0 for c in cost)
     result = cal.fit([[0.5] * 10] * 4, lat, cost)
     cal.save(result, tmp_path / "tree.json")

@@ -6,11 +6,12 @@ from torch import nn
 
 from medusa_decoding.cache import keep_path, new_cache
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, SamplingConfig
-from medusa_decoding.decode import GenerationStats, decode, tree_bias
-from medusa_decoding.runner import forward
+from medusa_decoding.engine import GenerationStats
+from medusa_decoding.tree import tree_bias
+from medusa_decoding.verifiers.transformers import forward as batched_forward
 from medusa_decoding.tree import build_tree
 
-from conftest import EOS, random_heads, tiny_llama
+from conftest import EOS, decode, random_heads, tiny_llama
 
 TREES = {
     "default": DEFAULT_TREE,
@@ -42,6 +43,11 @@ class OracleHeads(nn.Module):
         self.seq, self.num_heads, self.hit, self.vocab = seq[0], num_heads, hit, model.config.vocab_size
         self.g = torch.Generator().manual_seed(seed)
 
+    kind = "medusa"
+
+    def check_fits(self, base_model):
+        pass
+
     def forward(self, hidden, lm_head=None, num_heads=None):  # hidden [D] -> logits [K, V]
         t = int((self.hidden - hidden).norm(dim=-1).argmin())
         logits = torch.randn(self.num_heads, self.vocab, generator=self.g)
@@ -49,6 +55,12 @@ class OracleHeads(nn.Module):
             if t + k + 2 < len(self.seq) and torch.rand(1, generator=self.g) < self.hit:
                 logits[k, self.seq[t + k + 2]] = 100.0
         return logits
+
+
+def forward(model, ids, positions, mask, cache):
+    """One row: ids [1, n] -> logits [n, V], hidden [n, D]."""
+    logits, hidden = batched_forward(model, ids, positions, mask, cache)
+    return logits[0], hidden[0]
 
 
 def prompts(n, seed=0, vocab=256):
@@ -184,18 +196,18 @@ def test_ngram_branch_keeps_plain_output_and_copies(model, with_heads):
     assert copied > 20
 
 
-def test_ngram_proposer_finds_the_latest_match():
+def test_ngram_lookup_finds_the_latest_match():
     import numpy as np
 
     from medusa_decoding.config import NgramConfig
-    from medusa_decoding.proposers import NgramProposer
+    from medusa_decoding.proposers.ngram import lookup, padded
 
-    prop = NgramProposer(NgramConfig(length=3, max_ngram=2))
+    cfg = NgramConfig(length=3, max_ngram=2)
     ctx = np.array([1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2])
-    assert prop.propose(ctx).tolist() == [4, 5, 6]  # the latest "1 2" is followed by 4 5 6
-    assert prop.propose(np.array([7, 8, 9])) is None
-    assert prop.propose(np.array([5, 6, 7, 5])).tolist() == [6, 7, 5]  # falls back to 1-grams
-    assert prop.padded(np.array([4]), "cpu").tolist() == [4, 4, 4]
+    assert lookup(ctx, cfg, 3).tolist() == [4, 5, 6]  # the latest "1 2" is followed by 4 5 6
+    assert lookup(np.array([7, 8, 9]), cfg, 3) is None
+    assert lookup(np.array([5, 6, 7, 5]), cfg, 3).tolist() == [6, 7, 5]  # falls back to 1-grams
+    assert padded(np.array([4]), 3, "cpu").tolist() == [4, 4, 4]
 
 
 @pytest.mark.parametrize("ngram_length", [0, 5])

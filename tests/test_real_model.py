@@ -92,7 +92,7 @@ def test_shipped_drafters_fit_and_stay_lossless(smollm, kind):
 def test_fast_and_compiled_paths_give_the_reference_tokens(smollm):
     """fp32 greedy: transformers' SDPA + DynamicCache == the short-query kernel + slot cache ==
     the compiled step, on a prompt long enough (> 80 keys) for the kernel's own path."""
-    from medusa_decoding.runner import Runner
+    from medusa_decoding.verifiers.transformers import EagerBackend
 
     ids = smollm.encode("Repeat this list, then add two items of your own: " + ", ".join(
         ["apples", "pears", "plums", "figs", "dates", "limes", "kiwis", "grapes"] * 4))
@@ -102,7 +102,7 @@ def test_fast_and_compiled_paths_give_the_reference_tokens(smollm):
     assert compiled.generate(ids, max_new_tokens=24, use_medusa=False).token_ids == fast.token_ids
     smollm.base.set_attn_implementation("sdpa")
     try:
-        reference = MedusaModel(smollm.base, smollm.tokenizer, runner=Runner(smollm.base, slots=False))
+        reference = MedusaModel(smollm.base, smollm.tokenizer, backend=EagerBackend(smollm.base, slots=False))
         assert reference.generate(ids, max_new_tokens=24, use_medusa=False).token_ids == fast.token_ids
     finally:
         smollm.base.set_attn_implementation("medusa")

@@ -1,5 +1,5 @@
-"""The fast paths (slot cache, short-query attention, compiled step) against the reference path
-(transformers' DynamicCache and SDPA): same attention, same kept cache, same greedy tokens (fp32)."""
+"""The verifier's fast paths (slot cache, short-query attention, compiled step) against the reference
+path (transformers' DynamicCache and SDPA): same attention, same kept cache, same greedy tokens (fp32)."""
 
 import pytest
 import torch
@@ -7,13 +7,13 @@ import torch
 from medusa_decoding.attention import MIN_KEYS, fits_short_query_attention, register_attention, short_query_attention
 from medusa_decoding.cache import SlotCache, keep_path, new_cache
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
-from medusa_decoding.decode import GenerationStats, decode, tree_bias
-from medusa_decoding.engine import MedusaModel
+from medusa_decoding.engine import GenerationStats, MedusaModel
 from medusa_decoding.models import use_fast_attention
-from medusa_decoding.runner import Runner, forward, round_width
 from medusa_decoding.tree import build_tree
+from medusa_decoding.verifiers.compiled import round_width
+from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier, forward
 
-from conftest import EOS, byte_tokenizer, random_heads, tiny_llama
+from conftest import EOS, decode, byte_tokenizer, random_heads, tiny_llama
 
 
 class Groups:  # what transformers passes as `module`: only num_key_value_groups is read
@@ -59,45 +59,52 @@ def test_fast_attention_only_where_it_fits():
     assert use_fast_attention(model) == register_attention() == model.config._attn_implementation
 
 
-def test_slot_cache_keeps_what_plain_decoding_builds():
-    """Verify a tree on a SlotCache, keep each path: the first slots equal a plain forward's cache."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_slot_cache_keeps_what_plain_decoding_builds(rows):
+    """Verify a tree for each of `rows` rows (prompts of different lengths) on a SlotCache and
+    commit one path per row: each row's first slots equal a plain forward's cache of its tokens."""
     model = tiny_llama()
-    runner = Runner(model)
     tree = build_tree(DEFAULT_TREE)
-    prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
-    p = prompt.shape[1]
+    g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (tree.num_nodes,), generator=torch.Generator().manual_seed(2))
-    bias = tree_bias(tree, torch.float32, "cpu")
-    for row in tree.retrieve:
-        nodes = row[row >= 0]
-        cache = runner.new_cache(8)  # too small on purpose: it grows
-        assert isinstance(cache, SlotCache)
+    for path in tree.retrieve:
+        verifier = TransformersVerifier(EagerBackend(model))
+        nodes = path[path >= 0]
+        prompts = [torch.randint(0, 256, (30 - 7 * r,), generator=g) for r in range(rows)]
         with torch.no_grad():
-            runner.prefill(prompt, cache)
-            runner.step(tokens, p + tree.depth, bias, p, cache)
-            keep_path(cache, p, nodes)
+            added = [verifier.add(p, 4)[0] for p in prompts]  # room too small on purpose: it grows
+            verifier.verify(added, [tokens] * rows, [tree] * rows)
+            verifier.commit(added, [nodes[: len(nodes) - r] if r < len(nodes) else nodes[:1] for r in range(rows)])
+        assert isinstance(verifier.cache, SlotCache)
+        for r, (row, prompt) in enumerate(zip(added, prompts)):
+            kept = nodes[: len(nodes) - r] if r < len(nodes) else nodes[:1]
+            assert row.length == len(prompt) + len(kept) <= verifier.cache.capacity
             ref = new_cache(model)
-            forward(model, torch.cat([prompt[0], tokens[nodes]])[None], torch.arange(p + len(nodes))[None], None, ref)
-        assert cache.get_seq_length() == p + len(nodes) <= cache.capacity
-        for got, want in zip(cache.layers, ref.layers):
-            torch.testing.assert_close(got.keys[:, :, : p + len(nodes)], want.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got.values[:, :, : p + len(nodes)], want.values, atol=1e-5, rtol=1e-5)
+            with torch.no_grad():
+                forward(model, torch.cat([prompt, tokens[kept]])[None], torch.arange(row.length)[None], None, ref)
+            for got, want in zip(verifier.cache.layers, ref.layers):
+                torch.testing.assert_close(got.keys[row.index : row.index + 1, :, : row.length], want.keys,
+                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got.values[row.index : row.index + 1, :, : row.length], want.values,
+                                           atol=1e-5, rtol=1e-5)
 
 
 def test_slot_cache_refuses_a_forward_that_does_not_fit():
     cache = SlotCache(tiny_llama(), 16)
     with pytest.raises(MedusaError, match="does not fit"):
-        cache.reserve(10, 8)
+        cache.reserve(slice(0, 1), 10, 8)
     with pytest.raises(MedusaError, match="does not fit"):
-        cache.reserve(0, 4, width=3)
+        cache.reserve(slice(0, 1), 0, 4, width=3)
+    with pytest.raises(MedusaError, match="does not fit"):
+        cache.reserve(slice(0, 2), 0, 4)
     assert round_width(1) == round_width(256) == 256 and round_width(257) == 512
 
 
-def generate(model, prompt, heads=None, tree=DEFAULT_TREE, runner=None, ngram=None, max_new_tokens=40):
+def generate(model, prompt, heads=None, tree=DEFAULT_TREE, backend=None, ngram=None, max_new_tokens=40):
     out = []
     for chunk in decode(model, torch.tensor([prompt]), heads, build_tree(tree),
                         GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True), SamplingConfig(), {EOS},
-                        GenerationStats(), ngram=ngram, runner=runner):
+                        GenerationStats(), ngram=ngram, backend=backend):
         out += chunk
     return out
 
@@ -120,10 +127,10 @@ def test_fast_path_gives_the_reference_tokens(ngram):
     use_fast_attention(fast)
     heads = random_heads(reference)
     for prompt in long_prompts(3):
-        want = generate(reference, prompt, runner=Runner(reference, slots=False))
+        want = generate(reference, prompt, backend=EagerBackend(reference, slots=False))
         assert generate(fast, prompt) == want
         assert generate(fast, prompt, heads=heads, ngram=ngram) == want
-        assert generate(reference, prompt, heads=heads, ngram=ngram, runner=Runner(reference, slots=False)) == want
+        assert generate(reference, prompt, heads=heads, ngram=ngram, backend=EagerBackend(reference, slots=False)) == want
 
 
 def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
@@ -137,21 +144,21 @@ def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
     model = MedusaModel(fast, tok, heads=heads, ngram=NgramConfig(length=4), compile=True)
     assert model.tree_sizes() == sorted({1, 1 + model.ngram.copy_chain, model.tree.num_nodes, build_tree(DEFAULT_TREE, 4).num_nodes})
     spent = model.warmup(300) + model.warmup(300, use_medusa=False)
-    assert spent > 0 and {(n, w) for n, w, _ in model.runner.shapes} == {
-        (n, w) for n in model.tree_sizes() for w in (256, 512)}
-    before = model.runner.compile_s
+    assert spent > 0 and {(b, n, w) for b, n, w, _, _ in model.backend.shapes} == {
+        (1, n, w) for n in model.tree_sizes() for w in (256, 512)}
+    before = model.backend.compile_s
     for prompt in long_prompts(2, length=220):  # crosses from width 256 to 512
-        want = generate(reference, prompt, runner=Runner(reference, slots=False))
+        want = generate(reference, prompt, backend=EagerBackend(reference, slots=False))
         ids = torch.tensor([prompt])
         assert model.generate(ids, max_new_tokens=40, use_medusa=False, ignore_eos=True).token_ids == want
         assert model.generate(ids, max_new_tokens=40, ignore_eos=True).token_ids == want
-    assert model.runner.compile_s == before
-    # two generations at once: the second gets its own cache, neither disturbs the other
+    assert model.backend.compile_s == before
+    # two generations at once: each has its own verifier and cache, neither disturbs the other
     first, second = long_prompts(2, length=120)
-    want = [generate(reference, p, runner=Runner(reference, slots=False), max_new_tokens=20) for p in (first, second)]
+    want = [generate(reference, p, backend=EagerBackend(reference, slots=False), max_new_tokens=20) for p in (first, second)]
     streams = [model.stream(torch.tensor([p]), max_new_tokens=20, use_medusa=False, ignore_eos=True) for p in (first, second)]
     iterators = [iter(s) for s in streams]
     for _ in range(25):
         for it in iterators:
             next(it, None)
-    assert [s.token_ids for s in streams] == want and not model.runner.cache.busy
+    assert [s.token_ids for s in streams] == want and model.backend._spare is not None

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from medusa_decoding.config import Acceptance, GenerationConfig, SamplingConfig
-from medusa_decoding.decode import GenerationStats, decode
+from medusa_decoding.engine import GenerationStats
 from medusa_decoding.tree import build_tree
 
-from conftest import EOS, random_heads, tiny_llama
+from conftest import EOS, decode, random_heads, tiny_llama
 
 WIDE = [(i,) for i in range(8)] + [(0, 0), (1, 0), (0, 1)]
 
@@ -41,6 +41,11 @@ def tv(counts, exact, n):
 class MarginalHeads(torch.nn.Module):
     """Drafts for the first step: head 1 ranks x2 by its marginal probability, so its top
     candidates are often right and often wrong; later heads guess at random."""
+
+    kind, num_heads = "medusa", 4
+
+    def check_fits(self, base_model):
+        pass
 
     def __init__(self, exact, vocab):
         super().__init__()

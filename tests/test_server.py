@@ -60,7 +60,7 @@ def medusa():
 
 @pytest.fixture(scope="module")
 def server(medusa):
-    s = Server(create_app(medusa, max_batch_size=8))
+    s = Server(create_app(medusa, max_batch_size=8, adaptive=False))  # stats comparable with generate
     yield s
     s.stop()
 
@@ -333,12 +333,68 @@ def test_cli_serve(tmp_path_factory, capsys, monkeypatch):
         return exit_.value.code, capsys.readouterr().err
 
     code, _ = medusa("--model", folder, "--heads", heads, "--port", 8123, "--max-batch-size", 4,
-                     "--max-tree-batch", 2, "--dtype", "float32", "--device", "cpu")
+                     "--tree", "dynamic", "--fixed-budget", "--dtype", "float32", "--device", "cpu")
     assert code == 0 and len(calls) == 1
     model, kw = calls[0]
-    assert model.heads is not None and kw == {"host": "127.0.0.1", "port": 8123, "max_batch_size": 4,
-                                              "max_tree_batch": 2}
-    for args in (["--max-batch-size", 0], ["--port", 0], ["--tree", "dynamic"], ["--port", "x"]):
+    assert model.heads is not None and model.tree.budget == 16 and model.ngram.length == 8
+    assert kw == {"host": "127.0.0.1", "port": 8123, "max_batch_size": 4, "use_medusa": True, "adaptive": False}
+    for args in (["--max-batch-size", 0], ["--port", 0], ["--ngram", -1], ["--port", "x"]):
         code, err = medusa("--model", folder, *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert len(calls) == 1
+
+
+def methods_for(base, tok):
+    """Every method the CLI runs, on random drafters (fp32): name -> MedusaModel."""
+    import torch
+
+    from medusa_decoding import drafters
+    from medusa_decoding.config import NgramConfig
+
+    out = {"plain": MedusaModel(base, tok, name=NAME), "medusa+ngram": MedusaModel(base, tok, heads=random_heads(base), ngram=NgramConfig(length=4), name=NAME),
+           "dynamic": MedusaModel(base, tok, heads=random_heads(base), tree="dynamic", tree_budget=8, name=NAME),
+           "ngram": MedusaModel(base, tok, ngram=NgramConfig(length=4), name=NAME)}
+    for kind in ("hydra", "eagle"):
+        d = drafters.for_base(kind, base, shortlist_size=256)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.normal_(0, 0.05)
+        out[f"{kind}+ngram"] = MedusaModel(base, tok, heads=d, ngram=NgramConfig(length=4), name=NAME, tree_budget=6)
+    return out
+
+
+def test_every_method_is_served_and_answers_as_alone():
+    """Each method (random drafters, adaptive budgets): 8 concurrent clients, streaming and not,
+    chat and completions; every greedy answer equals the same request decoded alone (fp32)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, tok = tiny_llama(), byte_tokenizer()
+    for name, model in methods_for(base, tok).items():
+        server = Server(create_app(model, max_batch_size=4))
+        try:
+            client = server.client()
+
+            def request(i):
+                prompt, n = PROMPTS[i % len(PROMPTS)] + str(i), 6 + 2 * i
+                return (prompt if i % 2 else [{"role": "user", "content": prompt}]), n
+
+            wants = []
+            for i in range(8):  # alone, before the server is asked anything
+                prompt, n = request(i)
+                wants.append(model.generate(prompt, chat=not i % 2, max_new_tokens=n).text)
+
+            def ask(i):
+                prompt, n = request(i)
+                if i % 2:
+                    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                                    stream=i % 4 == 1)
+                    return "".join(c.choices[0].text for c in out) if i % 4 == 1 else out.choices[0].text
+                out = client.chat.completions.create(model=NAME, messages=prompt, max_tokens=n, temperature=0)
+                return out.choices[0].message.content
+
+            with ThreadPoolExecutor(8) as pool:
+                results = list(zip(pool.map(ask, range(8)), wants))
+            assert all(got == want for got, want in results), name
+            assert server.client().models.list().data[0].id == NAME
+        finally:
+            server.stop()

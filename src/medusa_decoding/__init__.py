@@ -1,12 +1,11 @@
 """medusa-decoding: Medusa multi-head speculative decoding for Hugging Face causal LMs."""
 
-from .config import GenerationConfig, HeadsConfig, MedusaError, SamplingConfig
-from .decode import GenerationStats
-from .engine import GenerationOutput, MedusaModel
+from .config import DrafterKind, GenerationConfig, HeadsConfig, MedusaError, NgramConfig, SamplingConfig
+from .engine import Decoder, GenerationOutput, GenerationStats, MedusaModel, Request
 from .heads import MedusaHeads
 
 __all__ = [
-    "GenerationConfig", "GenerationOutput", "GenerationStats", "HeadsConfig", "MedusaError",
-    "MedusaHeads", "MedusaModel", "SamplingConfig",
+    "Decoder", "DrafterKind", "GenerationConfig", "GenerationOutput", "GenerationStats", "HeadsConfig",
+    "MedusaError", "MedusaHeads", "MedusaModel", "NgramConfig", "Request", "SamplingConfig",
 ]
 __version__ = "0.1.0"

@@ -34,16 +34,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import drafters
-from .config import DEFAULT_MODEL, GenerationConfig, MedusaError, SamplingConfig
-from .drafters import DRAFTERS
+from . import proposers
+from .config import DEFAULT_MODEL, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 
 log = logging.getLogger(__name__)
 
 SUITES = ("spec-bench", "humaneval", "sharegpt")
-METHOD_KINDS = ("plain", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
+# default: what `medusa generate` runs with no method options (the shipped drafter, or --heads, with
+# the n-gram branch), whatever drafter that is
+METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
-DEFAULT_METHODS = "plain,medusa,hf,hf-pld"
+DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
@@ -70,7 +71,7 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "auto"
     out: str | None = None  # None: bench_out/<timestamp>
-    ngram_length: int = 8  # tokens of the n-gram branch of "+ngram" methods
+    ngram_length: int = NgramConfig.length  # tokens of the n-gram branch of "+ngram" methods and of default
     tree_budget: int | None = None  # nodes of the "dynamic" method's tree (16) or a drafter's (its own)
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
@@ -89,7 +90,7 @@ class BenchConfig:
         SamplingConfig(temperature=self.temperature)
         for kind in self.method_kinds:
             base, plus, suffix = kind.partition("+")
-            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf"))):
+            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf") or base == "default")):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
                                   f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}")
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
@@ -232,12 +233,12 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
     runner spent compiling a new shape during the call (reported apart)."""
     def generate(input_ids, max_new_tokens, seed):
         sampling = dict(temperature=temperature, seed=seed) if temperature > 0 else {}
-        compiling = model.runner.compile_s
+        compiling = model.backend.compile_s
         _sync(model.device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, use_medusa=use_medusa, **sampling)
         _sync(model.device)
-        wall = time.perf_counter() - t0 - (model.runner.compile_s - compiling)
+        wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
     return generate
 
@@ -305,9 +306,9 @@ def drafter_folder(cfg: BenchConfig, kind: str) -> Path:
 
     for folder in cfg.drafters:
         path = Path(folder).expanduser()
-        if not drafters.is_drafter(path):
-            raise MedusaError(f"--drafter {folder}: no hydra/eagle checkpoint there (config.json naming its drafter)")
-        if json.loads((path / drafters.CONFIG_NAME).read_text())["drafter"] == kind:
+        if not (path / proposers.CONFIG_NAME).is_file():
+            raise MedusaError(f"--drafter {folder}: no checkpoint there (config.json naming its drafter)")
+        if proposers.checkpoint_kind(path) == kind:
             return path
     shipped = shipped_heads(cfg.model, kind)
     if shipped is None:
@@ -315,12 +316,19 @@ def drafter_folder(cfg: BenchConfig, kind: str) -> Path:
     return shipped
 
 
+def default_heads(cfg: BenchConfig):
+    """What `medusa generate` reads with no --heads (or --heads itself): a folder or None."""
+    from .engine import shipped_heads
+
+    return cfg.heads if cfg.heads is not None else shipped_heads(cfg.model)
+
+
 def build_methods(cfg: BenchConfig):
-    """Load the base (and heads) once -> (a MedusaModel, {method name: Generate}); no method
-    with --batch-only. The model carries the heads whenever a method or the batch part needs them."""
-    from .config import NgramConfig
-    from .engine import DYNAMIC, MedusaModel, shipped_heads
+    """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
+    MedusaModel or None). Every variant shares the base and its backend (compiled graphs too)."""
+    from .engine import MedusaModel, shipped_heads
     from .models import BUILTIN_MODELS
+    from .proposers.medusa import DYNAMIC
     from .tree import load_tree_file
 
     kinds = [] if cfg.batch_only else cfg.method_kinds
@@ -331,46 +339,53 @@ def build_methods(cfg: BenchConfig):
         raise MedusaError("two --tree files share a name; methods are named medusa:<file stem>")
     heads = cfg.heads
     with_heads = {"medusa", "dynamic"} & {k.partition("+")[0] for k in kinds}
-    want_heads = bool(with_heads or cfg.batch_sizes)
-    if heads is None and want_heads and cfg.model in BUILTIN_MODELS:
-        heads = shipped_heads(cfg.model, "medusa")
-    if cfg.batch_sizes and heads is None:
-        raise MedusaError(f"--batch-sizes compares plain and medusa, so it needs --heads: none are shipped for {cfg.model!r}")
+    if heads is None and with_heads and cfg.model in BUILTIN_MODELS:
+        heads = shipped_heads(cfg.model, DrafterKind.MEDUSA.value)
     if with_heads and heads is None:
         if cfg.methods is not None:
             raise MedusaError(f"methods {', '.join(sorted(with_heads))} need --heads: none are shipped for {cfg.model!r}")
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
         kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
-    base = MedusaModel.from_pretrained(cfg.model, heads=heads if want_heads else None,
-                                       dtype=cfg.dtype, device=cfg.device, tree_budget=cfg.tree_budget,
-                                       compile=cfg.compile)
+    base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
     ngram = NgramConfig(length=cfg.ngram_length)
+    loaded: dict[str, object] = {}
+
+    def weights(folder):
+        key = str(folder)
+        if key not in loaded:
+            loaded[key] = proposers.load(folder, base.base)
+        return loaded[key]
+
+    def variant(drafter=None, plus: bool = False, tree=None) -> MedusaModel:
+        return MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
+                           ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
+
+    default = None
+    if "default" in kinds or cfg.batch_sizes:
+        folder = default_heads(cfg)
+        default = variant(weights(folder) if folder is not None else None, plus=True)
     methods: dict[str, Generate] = {}
     for kind in kinds:
         name, plus, _ = kind.partition("+")
-        # one runner for all: compiled graphs are shared by every method on this base
-        variant = dict(name=base.name, ngram=ngram if plus else None, tree_budget=cfg.tree_budget, runner=base.runner)
         if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)
         elif name == "plain":  # prompt lookup alone, in our engine
-            methods[kind] = engine_method(MedusaModel(base.base, base.tokenizer, **variant), True, cfg.temperature)
+            methods[kind] = engine_method(variant(plus=True), True, cfg.temperature)
+        elif name == "default":
+            methods[kind] = engine_method(default, True, cfg.temperature)
         elif name == "dynamic":
-            model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=DYNAMIC, **variant)
-            methods[kind] = engine_method(model, True, cfg.temperature)
+            methods[kind] = engine_method(variant(weights(heads), bool(plus), DYNAMIC), True, cfg.temperature)
         elif name == "medusa" and not cfg.trees:
-            model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=base.tree, **variant)
-            methods[kind] = engine_method(model, True, cfg.temperature)
-        elif name in DRAFTERS:
-            drafter = drafters.from_pretrained(drafter_folder(cfg, name), base.base)
-            model = MedusaModel(base.base, base.tokenizer, heads=drafter, **variant)
-            methods[kind] = engine_method(model, True, cfg.temperature)
+            methods[kind] = engine_method(variant(weights(heads), bool(plus)), True, cfg.temperature)
         elif name == "medusa":
             for tree, stem in zip(cfg.trees, stems):
-                model = MedusaModel(base.base, base.tokenizer, heads=base.heads, tree=tree, **variant)
+                model = variant(weights(heads), bool(plus), tree)
                 methods[f"medusa:{stem}{plus and NGRAM}"] = engine_method(model, True, cfg.temperature)
+        elif name in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value):
+            methods[kind] = engine_method(variant(weights(drafter_folder(cfg, name)), bool(plus)), True, cfg.temperature)
         else:
             methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
-    return base, methods
+    return base, methods, default
 
 
 # 3. summary (pure) -----------------------------------------------------------------------------
@@ -506,9 +521,9 @@ def write_report(path: Path, results: dict) -> None:
 
 
 def engine_line(engine: dict | None) -> str:
-    if not engine or not engine["compiled"]:
-        return "Engine: eager."
-    return (f"Engine: compiled verify step, {len(engine['graphs'])} graphs (nodes, width, slots), "
+    if not engine or engine.get("backend") != "compiled":
+        return f"Engine: eager ({(engine or {}).get('cache', 'slot')} cache)."
+    return (f"Engine: compiled verify step, {engine['graphs']} graphs (rows, nodes, width, slots), "
             f"{engine['compile_s']:.0f} s compiling, left out of the timings.")
 
 
@@ -609,8 +624,8 @@ def machine_info(model) -> dict:
 
 # 5. throughput vs batch size -------------------------------------------------------------------
 
-BATCH_METHODS = ("plain", "medusa")  # interleaved in this order at every batch size
-BATCH_HEADER = ["batch", "plain tok/s", "medusa tok/s", "speed-up", "plain latency s", "medusa latency s", "tau",
+BATCH_METHODS = ("plain", "default")  # interleaved in this order at every batch size
+BATCH_HEADER = ["batch", "plain tok/s", "default tok/s", "speed-up", "plain latency s", "default latency s", "tau",
                 "identical"]
 BATCH_PLOT = "throughput_vs_batch.png"
 
@@ -656,14 +671,17 @@ def batch_inputs(model, prompts: list[Prompt]) -> list[torch.Tensor]:
 
 def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int, max_new_tokens: int,
                 repeat: int = 0) -> BatchRun:
-    """Greedy-decode every input with a BatchDecoder kept full: all are submitted at once, a
-    sequence joins as soon as a slot frees up. method "plain" (no heads) or "medusa" (the
-    model's heads and static tree, at every batch size)."""
-    from .batch import BatchDecoder, BatchRequest
+    """Greedy-decode every input with a decoder kept full: all are submitted at once, a sequence
+    joins as soon as a place frees up. method "plain" or "default" (the model's method, its budget
+    adapted to the number of active rows as `medusa serve` does)."""
+    from .engine import AdaptiveSpeculation, Request
 
-    heads = model.heads if method == "medusa" else None
-    decoder = BatchDecoder(model.base, heads, model.tree if heads is not None else None, model.eos_token_ids,
-                           max_batch_size=batch_size)
+    speculative = method == "default"
+    policy = None
+    if speculative:
+        budget = model.method().default_budget
+        policy = AdaptiveSpeculation({1, max(budget // 2, 1), budget})
+    decoder = model.decoder(batch_size, use_medusa=speculative, policy=policy)
     generation, greedy = GenerationConfig(max_new_tokens=max_new_tokens), SamplingConfig()
     pending = list(enumerate(inputs))
     tokens: dict[int, list[int]] = {}
@@ -683,7 +701,7 @@ def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int,
         while pending and decoder.has_room:
             i, ids = pending.pop(0)
             tokens[i], started[i] = [], time.perf_counter()
-            collect([decoder.add(BatchRequest(ids, generation, greedy, id=i))])
+            collect([decoder.add(Request(ids, generation, greedy, id=i))])
         collect(decoder.step())
     _sync(model.device)
     wall = time.perf_counter() - t0
@@ -715,7 +733,7 @@ def batch_identity(reference: BatchRun | None, run: BatchRun | None, prompt_ids:
 def summarize_batch(runs: list[BatchRun], prompt_ids: list[str] | None = None) -> list[dict]:
     """One row per batch size: each method's medians over repeat rounds (throughput = all new
     tokens / wall time of the run; latency = the run's median per-sequence latency), medusa's
-    speed-up (median of per-round ratios, as for prompts), token identity of medusa vs plain per
+    speed-up (median of per-round ratios, as for prompts), token identity of default vs plain per
     prompt (first round)."""
     rows = []
     for size in sorted({r.batch_size for r in runs}):
@@ -730,10 +748,10 @@ def summarize_batch(runs: list[BatchRun], prompt_ids: list[str] | None = None) -
                            "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None}
         plain = {r.repeat: r for r in mine if r.method == "plain"}
         ratios = [r.tokens_per_s / plain[r.repeat].tokens_per_s for r in mine
-                  if r.method == "medusa" and r.repeat in plain and plain[r.repeat].tokens_per_s > 0]
+                  if r.method == "default" and r.repeat in plain and plain[r.repeat].tokens_per_s > 0]
         row["speedup"] = _median(ratios)
         first_round = {r.method: r for r in mine if r.repeat == 0}
-        row["identity"] = batch_identity(first_round.get("plain"), first_round.get("medusa"), prompt_ids)
+        row["identity"] = batch_identity(first_round.get("plain"), first_round.get("default"), prompt_ids)
         rows.append(row)
     return rows
 
@@ -743,16 +761,16 @@ def batch_table_rows(rows: list[dict]) -> list[list[str]]:
     for row in rows:
         ident = row["identity"]
         same = f"{ident['compared'] - ident['differ']}/{ident['compared']}" if ident["compared"] else "-"
-        out.append([str(row["batch_size"]), _fmt(row["plain"]["tokens_per_s"], 1), _fmt(row["medusa"]["tokens_per_s"], 1),
-                    _fmt(row["speedup"], 2, "x"), _fmt(row["plain"]["latency_s"], 3), _fmt(row["medusa"]["latency_s"], 3),
-                    _fmt(row["medusa"]["mean_accepted_length"]), same])
+        out.append([str(row["batch_size"]), _fmt(row["plain"]["tokens_per_s"], 1), _fmt(row["default"]["tokens_per_s"], 1),
+                    _fmt(row["speedup"], 2, "x"), _fmt(row["plain"]["latency_s"], 3), _fmt(row["default"]["latency_s"], 3),
+                    _fmt(row["default"]["mean_accepted_length"]), same])
     return out
 
 
 def batch_identity_line(batch: dict) -> str:
     total = batch["identity"]
     parts = ", ".join(f"B={r['batch_size']} {r['identity']['differ']}/{r['identity']['compared']}" for r in batch["rows"])
-    line = f"batched token identity, medusa vs plain ({batch['dtype']}): {parts} prompts differ"
+    line = f"batched token identity, default vs plain ({batch['dtype']}): {parts} prompts differ"
     first = next((r["identity"]["first"] for r in batch["rows"] if r["identity"]["first"]), None)
     if first:
         line += f" (first: prompt {first['prompt']}, token {first['index']}: {first['reference_token']} vs {first['token']})"
@@ -763,16 +781,16 @@ def batch_identity_line(batch: dict) -> str:
 
 def batch_report(batch: dict) -> list[str]:
     return ["## Throughput vs batch size", "",
-            f"Continuous batching (BatchDecoder): the first turns of {batch['prompts']} prompts, all submitted at once, "
-            f"at most B decoded together; greedy, max {batch['max_new_tokens']} new tokens, medusa on its "
-            f"{batch['tree_nodes']}-node tree at every B. tok/s: all new tokens / wall time; latency: median per "
+            f"Continuous batching (engine.Decoder): the first turns of {batch['prompts']} prompts, all submitted at once, "
+            f"at most B decoded together; greedy, max {batch['max_new_tokens']} new tokens; default: {batch['method']}, "
+            "its tree budget chosen per step from measured throughput at the number of active rows. tok/s: all new tokens / wall time; latency: median per "
             f"sequence from its add() to its finish; medians over {batch['repeats']} round(s); speed-up: median of "
             "per-round ratios.", "",
             markdown_table(BATCH_HEADER, batch_table_rows(batch["rows"])), "", batch_identity_line(batch), ""]
 
 
 def write_batch_plot(folder: Path, batch: dict) -> str:
-    """throughput_vs_batch.png: tokens/s of both methods (left) and medusa's speed-up (right) vs B."""
+    """throughput_vs_batch.png: tokens/s of both methods (left) and the default's speed-up (right) vs B."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -787,7 +805,7 @@ def write_batch_plot(folder: Path, batch: dict) -> str:
     left.legend()
     right.plot(sizes, [r["speedup"] or 0 for r in batch["rows"]], marker="o", color="C2")
     right.axhline(1.0, color="gray", lw=0.8)
-    right.set_ylabel("speed-up of medusa vs plain")
+    right.set_ylabel("speed-up of default vs plain")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -797,8 +815,9 @@ def write_batch_plot(folder: Path, batch: dict) -> str:
     return BATCH_PLOT
 
 
-def run_batch_bench(cfg: BenchConfig, model, prompts: list[Prompt]) -> dict:
-    """Every batch size, plain then medusa, `repeats` rounds -> the "batch" part of results.json."""
+def run_batch_bench(cfg: BenchConfig, model, default, prompts: list[Prompt]) -> dict:
+    """Every batch size, plain then default (the `default` MedusaModel), `repeats` rounds -> the
+    "batch" part of results.json."""
     from tqdm import tqdm
 
     sizes = cfg.batch_sizes or []
@@ -807,17 +826,17 @@ def run_batch_bench(cfg: BenchConfig, model, prompts: list[Prompt]) -> dict:
         log.warning("note: only %d prompts: batches above %d are never full", len(inputs), len(inputs))
     warm = min(max(sizes), len(inputs))
     for method in BATCH_METHODS:  # one-off costs (allocations, kernels) at the largest batch
-        run_batched(model, method, inputs[:warm], warm, min(cfg.max_new_tokens, WARMUP_TOKENS))
+        run_batched(default, method, inputs[:warm], warm, min(cfg.max_new_tokens, WARMUP_TOKENS))
     runs = []
     with tqdm(total=cfg.repeats * len(sizes) * len(BATCH_METHODS), desc="batch", unit="run", file=sys.stderr) as bar:
         for repeat in range(cfg.repeats):
             for size in sizes:
                 for method in BATCH_METHODS:  # interleaved: drift hits both methods alike
-                    runs.append(run_batched(model, method, inputs, size, cfg.max_new_tokens, repeat))
+                    runs.append(run_batched(default, method, inputs, size, cfg.max_new_tokens, repeat))
                     bar.update()
     rows = summarize_batch(runs, [p.id for p in prompts])
     return {"batch_sizes": sizes, "prompts": len(inputs), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
-            "tree_nodes": model.tree.num_nodes, "dtype": str(model.base.dtype).removeprefix("torch."), "rows": rows,
+            "method": default.method().describe(), "dtype": str(model.base.dtype).removeprefix("torch."), "rows": rows,
             "identity": {"compared": sum(r["identity"]["compared"] for r in rows),
                          "differ": sum(r["identity"]["differ"] for r in rows)},
             "runs": [{"method": r.method, "batch_size": r.batch_size, "repeat": r.repeat, "wall_s": r.wall_s,
@@ -837,14 +856,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = select(prompts, cfg.limit, cfg.turns)
     if not prompts:
         raise MedusaError("no prompt to run")
-    model, methods = build_methods(cfg)
+    model, methods, default = build_methods(cfg)
     out = Path(cfg.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "prompts": len(prompts)}
     if methods:
         results |= compare_methods(cfg, model, methods, prompts)
     if cfg.batch_sizes:
-        results["batch"] = run_batch_bench(cfg, model, prompts)
+        results["batch"] = run_batch_bench(cfg, model, default, prompts)
     results["plots"] = write_plots(out, results)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     write_report(out / "report.md", results)
@@ -878,9 +897,7 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
 
     names = list(methods)
     categories = list(dict.fromkeys(p.category for p in prompts))
-    runner = model.runner
-    compiled = {"compiled": runner.compiled is not None, "compile_s": round(runner.compile_s, 1),
-                "graphs": sorted(runner.shapes)}
+    compiled = model.backend.stats()
     if cfg.temperature > 0:
         identity = {m: {"skipped": "sampling (temperature > 0): outputs are not expected to match"}
                     for m in names if m != REFERENCE}

@@ -24,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import new_cache
-from .decode import tree_bias
-from .runner import forward
 from .tree import build_tree
+from .verifiers.transformers import TransformersVerifier
 
 RANKS = 10
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -85,56 +83,56 @@ def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[tuple[
     return chosen
 
 
-@torch.no_grad()
-def verify_latency(model, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) -> dict[int, float]:
-    """t(n) / t(1): median wall time of one verification forward of n tree tokens after a
-    prefix of prefix_len cached tokens, sizes interleaved so drift hits all alike."""
-    device = model.device
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, prefix_len), device=device)
-    cache = new_cache(model)
-    forward(model, prompt, torch.arange(prefix_len, device=device)[None], None, cache)
-    chain = {n: build_tree([(0,) * d for d in range(1, n)]) if n > 1 else build_tree([]) for n in sizes}
-    masks = {n: torch.cat([torch.zeros(n, prefix_len, dtype=model.dtype, device=device),
-                           tree_bias(t, model.dtype, device)], 1)[None, None] for n, t in chain.items()}
+def _timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def verify_latency(backend, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) -> dict[int, float]:
+    """t(n) / t(1): median wall time of one verification step of n tree tokens after a prefix of
+    prefix_len cached tokens, through the verifier the engine uses (backend: a verifiers backend),
+    sizes interleaved so drift hits all alike. Nothing is committed: each step overwrites the last."""
+    verifier = TransformersVerifier(backend)
+    device = backend.device
+    vocab = backend.model.config.get_text_config().vocab_size
+    row, _, _ = verifier.add(torch.randint(0, vocab, (prefix_len,), device=device), max(sizes) + 1)
+    chain = {n: build_tree([], n - 1).to(device) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):
         for n in sizes:
-            tokens = torch.randint(0, vocab, (1, n), device=device)
-            positions = (prefix_len + torch.arange(n, device=device))[None]
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            forward(model, tokens, positions, masks[n], cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            tokens = torch.randint(0, vocab, (n,), device=device)
+            t = _timed(lambda: verifier.verify([row], [tokens], [chain[n]]), device)
             if rep:  # the first round warms up
-                times[n].append(time.perf_counter() - t0)
-            cache.crop(-n)
+                times[n].append(t)
+    verifier.release(row)
     base = statistics.median(times[1])
     return {n: statistics.median(times[n]) / base for n in sizes}
 
 
-@torch.no_grad()
-def heads_latency(model, heads, repeats: int = 20) -> list[float]:
+@torch.inference_mode()
+def heads_latency(backend, heads, repeats: int = 20) -> list[float]:
     """The heads' time per step when the first k heads run (k = 1..K; a tree of depth d runs
-    d heads), relative to a one-token verification forward; measured, because on a CPU the
+    d heads), relative to a one-token verification step; measured, because on a CPU the
     heads' vocabulary projections are a visible part of a step."""
-    hidden = torch.randn(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
+    model, device = backend.model, backend.device
+    hidden = torch.randn(model.config.get_text_config().hidden_size, device=device, dtype=model.dtype)
     lm_head = model.get_output_embeddings()
-    cache = new_cache(model)
-    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    verifier = TransformersVerifier(backend)
+    row, _, _ = verifier.add(torch.zeros(8, dtype=torch.long, device=device), 2)
+    root, one = torch.zeros(1, dtype=torch.long, device=device), build_tree([]).to(device)
     t_heads: list[list[float]] = [[] for _ in range(heads.num_heads)]
     t_step = []
     for _ in range(repeats):
         for k in range(heads.num_heads):
-            t0 = time.perf_counter()
-            heads(hidden, lm_head, num_heads=k + 1).topk(RANKS, dim=-1)
-            t_heads[k].append(time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        forward(model, token, torch.zeros(1, 1, dtype=torch.long, device=model.device), None, cache)
-        t_step.append(time.perf_counter() - t1)
-        cache.crop(-1)
+            t_heads[k].append(_timed(lambda: heads(hidden, lm_head, num_heads=k + 1).topk(RANKS, dim=-1), device))
+        t_step.append(_timed(lambda: verifier.verify([row], [root], [one]), device))
+    verifier.release(row)
     step = statistics.median(t_step)
     return [statistics.median(t) / step for t in t_heads]
 
@@ -219,16 +217,15 @@ def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, gri
     generate runs it); inputs: input_ids [1, T] each.
     -> {"grid": [{depth, width, budget, median_speedup, mean_accepted_length, tokens_per_s}], "best": ...}.
     Greedy; each prompt runs plain once, then every setting (a first warm-up prompt is dropped)."""
-    from .decode import GenerationStats, decode
-    from .config import GenerationConfig, SamplingConfig
+    from . import proposers
+    from .engine import MedusaModel
 
-    def timed(drafter, prompt):
-        stats = GenerationStats()
-        ngram = model.ngram if drafter is not None else None
-        for _ in decode(model.base, prompt, drafter, model.tree, GenerationConfig(max_new_tokens=max_new_tokens),
-                        SamplingConfig(), model.eos_token_ids, stats, ngram=ngram):
-            pass
-        return stats
+    def timed(module, prompt):
+        if module is None:
+            return model.generate(prompt, max_new_tokens=max_new_tokens, use_medusa=False).stats
+        variant = MedusaModel(model.base, model.tokenizer, heads=proposers.wrap(module, model.base),
+                              ngram=model.ngram, backend=model.backend)
+        return variant.generate(prompt, max_new_tokens=max_new_tokens).stats
 
     drafter, cfg = model.heads, model.heads.config
     if drafter.kind == "hydra":  # hydra drafts at most one depth per head

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .config import DEFAULT_MODEL, MedusaError
+from .config import DEFAULT_MODEL, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
@@ -22,6 +22,10 @@ HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle dr
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on CPU and recent GPUs).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile the verification step (about 30 s per new shape on this CPU, then ~1.6x faster steps); pays off over many generations.")
+TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
+BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
+NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
+NoMedusaOpt = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline).")
 
 
 def fail(message: str) -> None:
@@ -30,21 +34,22 @@ def fail(message: str) -> None:
 
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: Optional[int] = None, kind: Optional[str] = None, compile: bool = False):
+               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False):
+    """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
+    the built-in model (its Medusa heads when a --tree is given)."""
     from .engine import MedusaModel, shipped_heads
 
+    if ngram < 0:
+        fail(f"--ngram must be >= 0, got {ngram}")
+    if tree_budget is not None and tree_budget < 2:
+        fail(f"--tree-budget must be >= 2, got {tree_budget}")
+    heads_arg = heads
     if no_medusa:
         heads_arg = None
-    elif heads is not None:
-        heads_arg = heads
-    else:
-        if kind is None and tree is not None:  # a tree is for Medusa heads
-            kind = "medusa"
-        heads_arg = shipped_heads(model, kind)  # None when nothing is shipped: plain decoding
+    elif heads is None:
+        heads_arg = shipped_heads(model, "medusa" if tree is not None else None)  # a tree is for Medusa heads
         if heads_arg is None and model == DEFAULT_MODEL:
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
-    from .config import NgramConfig
-
     return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
                                        ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
                                        compile=compile)
@@ -61,48 +66,36 @@ def generate(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Wrap the prompt in the model's chat template (default: when it has one)."),
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
-    tree: Optional[str] = typer.Option(None, "--tree", help="Tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one."),
-    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
+    tree: Optional[str] = TreeOpt,
+    tree_budget: Optional[int] = BudgetOpt,
+    max_new_tokens: int = typer.Option(GenerationConfig.max_new_tokens, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(SamplingConfig.temperature, "--temperature", "-t", help="0 is greedy."),
+    top_p: float = typer.Option(SamplingConfig.top_p, "--top-p"),
+    top_k: int = typer.Option(SamplingConfig.top_k, "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     acceptance: Optional[str] = typer.Option(None, "--acceptance", help="greedy, rejection (lossless) or typical (lossy); default: greedy at temperature 0, rejection otherwise."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
-    no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline)."),
-    ngram: int = typer.Option(8, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the heads' tree; 0: none."),
+    no_medusa: bool = NoMedusaOpt,
+    ngram: int = NgramOpt,
     compile: bool = CompileOpt,
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
-    from .config import GenerationConfig, SamplingConfig
-
     if not prompt.strip():
         fail("the prompt is empty")
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    if ngram < 0:
-        fail(f"--ngram must be >= 0, got {ngram}")
-    if tree_budget is not None and tree_budget < 2:
-        fail(f"--tree-budget must be >= 2, got {tree_budget}")
     m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile)
-    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
+    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, use_medusa=not no_medusa,
+                      **sampling)
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    shape = f"dynamic {m.tree.budget}-node tree" if hasattr(m.tree, "budget") else f"{m.tree.num_nodes}-node tree"
-    kind = getattr(m.heads, "kind", "medusa")
-    if kind != "medusa":
-        shape = f"drafted {m.tree_budget or m.heads.config.draft_budget}-node tree"
-    parts = [f"{kind} ({shape})"] if m.heads is not None else []
-    parts += [f"{m.ngram.length}-token n-gram branch"] if m.ngram and not no_medusa else []
-    method = " + ".join(parts) or "plain"
-    compiled = f", {m.runner.compile_s:.0f} s of it compiling" if compile else ""
-    typer.echo(f"[{method}] {stream.stats.summary()}{compiled}", err=True)
+    compiled = f", {m.backend.compile_s:.0f} s of it compiling" if compile else ""
+    typer.echo(f"[{m.method(not no_medusa).describe()}] {stream.stats.summary()}{compiled}", err=True)
 
 
 @app.command("distill-data")
@@ -111,10 +104,10 @@ def distill_data(
     model: str = ModelOpt,
     data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file of ShareGPT-shaped records."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Stop when the file holds this many conversations."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy answers, what greedy decoding will see."),
-    batch_size: int = typer.Option(48, "--batch-size"),
-    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Longer prompts are skipped (counted)."),
+    max_new_tokens: int = typer.Option(DistillConfig.max_new_tokens, "--max-new-tokens"),
+    temperature: float = typer.Option(DistillConfig.temperature, "--temperature", help="0: greedy answers, what greedy decoding will see."),
+    batch_size: int = typer.Option(DistillConfig.batch_size, "--batch-size"),
+    max_prompt_tokens: int = typer.Option(DistillConfig.max_prompt_tokens, "--max-prompt-tokens", help="Longer prompts are skipped (counted)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
@@ -130,34 +123,29 @@ def distill_data(
 def serve(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
-    tree: Optional[str] = typer.Option(None, "--tree", help="Tree JSON file (list of paths); default: the heads' calibrated tree, else the built-in one."),
+    tree: Optional[str] = TreeOpt,
+    tree_budget: Optional[int] = BudgetOpt,
+    ngram: int = NgramOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, "--port"),
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="Sequences decoded together; more requests wait in a queue."),
-    max_tree_batch: Optional[int] = typer.Option(1, "--max-tree-batch", help="Above this many active sequences, steps verify no tree (plain batched decoding). Default 1: on a 2-core CPU the tree is a loss from batch 2 on (medusa bench --batch-sizes); raise it on a GPU."),
+    adaptive: bool = typer.Option(True, "--adaptive/--fixed-budget", help="Choose each step's tree budget from measured throughput at the current number of active sequences (plain decoding when that is faster); --fixed-budget: always the method's own."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
+    compile: bool = CompileOpt,
 ) -> None:
-    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batched Medusa decoding."""
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching."""
     if max_batch_size < 1:
         fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    if max_tree_batch is not None and max_tree_batch < 0:
-        fail(f"--max-tree-batch must be >= 0, got {max_tree_batch}")
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
-    if tree == "dynamic":
-        fail("the server runs one static tree for the whole batch; pass a tree JSON file or no --tree")
-    from .drafters import is_drafter
-
     try:
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
-    if heads is not None and is_drafter(heads):
-        fail("the batched server runs Medusa heads (a hydra/eagle drafter is single-sequence for now); pass Medusa heads or none")
-    m = load_model(model, heads, tree, dtype, device, no_medusa, kind="medusa")
-    run_server(m, host=host, port=port, max_batch_size=max_batch_size, max_tree_batch=max_tree_batch)
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile)
+    run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
 
 @app.command()
@@ -168,7 +156,7 @@ def calibrate(
     limit: int = typer.Option(24, "--limit", help="Calibration prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to save the tree (default: HEADS/tree.json)."),
-    ngram: int = typer.Option(8, "--ngram", help="hydra/eagle: measure with this n-gram branch, as generate runs by default (0: none)."),
+    ngram: int = typer.Option(NgramConfig.length, "--ngram", help="hydra/eagle: measure with this n-gram branch, as generate runs by default (0: none)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
@@ -177,7 +165,6 @@ def calibrate(
     import torch
 
     from . import calibrate as cal
-    from .config import NgramConfig
     from .engine import MedusaModel
 
     if limit < 1 or max_new_tokens < 1:
@@ -187,7 +174,7 @@ def calibrate(
     m = MedusaModel.from_pretrained(model, heads=heads, dtype=dtype, device=device,
                                     ngram=NgramConfig(length=ngram) if ngram else None)
     texts = cal.calibration_prompts(prompts, limit)
-    if getattr(m.heads, "kind", "medusa") != "medusa":
+    if m.drafter.kind != "medusa":
         _calibrate_drafter(m, texts, max_new_tokens, heads, out)
         return
     sequences = []
@@ -198,8 +185,8 @@ def calibrate(
             sequences.append((ids.shape[1], torch.cat([ids[0].cpu(), torch.tensor(answer.token_ids)])))
     accuracy = cal.head_accuracy(m.base, m.heads, sequences)
     typer.echo("measuring verification latency ...", err=True)
-    latency = cal.verify_latency(m.base)
-    result = cal.fit(accuracy, latency, cal.heads_latency(m.base, m.heads))
+    latency = cal.verify_latency(m.backend)
+    result = cal.fit(accuracy, latency, cal.heads_latency(m.backend, m.heads))
     target = out or heads / "tree.json"
     cal.save(result, target)
     typer.echo("head  top-1  top-5  top-10")
@@ -262,35 +249,34 @@ def export(
 def train(
     out: Path = typer.Option(..., "--out", help="Folder for the heads, checkpoints, features, log.jsonl and metrics.json."),
     model: str = ModelOpt,
-    data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file (e.g. from distill-data)."),
-    drafter: str = typer.Option("medusa", "--drafter", help="medusa: heads on h_t; hydra: heads that also read their branch's tokens; eagle: a one-layer feature drafter."),
-    heads: int = typer.Option(4, "--heads", help="Number of heads K (hydra: the deepest level drafted)."),
-    unroll: int = typer.Option(3, "--unroll", help="eagle: training passes on its own predicted features (depths trained)."),
-    layers: int = typer.Option(1, "--layers", help="Residual blocks per head."),
-    inner_size: int = typer.Option(0, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
-    own_lm_head: bool = typer.Option(False, "--own-lm-head", help="Train an LM head per head (large) instead of sharing the base's."),
-    targets: str = typer.Option("kd", "--targets", help="tokens: the data's tokens; kd: the base model's distribution."),
-    feature_weight: float = typer.Option(0.0, "--feature-weight", help="Weight of the EAGLE-style feature regression term."),
-    vocab_fraction: float = typer.Option(1.0, "--vocab-fraction", help="Share of positions that pay the vocabulary-wide loss."),
-    train_vocab: int = typer.Option(0, "--train-vocab", help="Vocabulary losses over only the N most frequent label tokens (0: all)."),
-    decay: float = typer.Option(0.8, "--decay", help="Head k's loss weight is decay**(k-1)."),
-    epochs: float = typer.Option(1.0, "--epochs"),
-    lr: float = typer.Option(1e-3, "--lr"),
-    warmup_steps: int = typer.Option(50, "--warmup-steps"),
-    batch_size: int = typer.Option(256, "--batch-size", help="Positions per step and process."),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    max_length: int = typer.Option(1024, "--max-length"),
-    max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
-    eval_conversations: int = typer.Option(200, "--eval-conversations"),
-    save_every: int = typer.Option(200, "--save-every"),
-    seed: int = typer.Option(0, "--seed"),
+    data: str = typer.Option(TrainConfig.data, "--data", help="'sharegpt' or a JSON/JSONL file (e.g. from distill-data)."),
+    drafter: str = typer.Option(TrainConfig.drafter, "--drafter", help="medusa: heads on h_t; hydra: heads that also read their branch's tokens; eagle: a one-layer feature drafter."),
+    heads: int = typer.Option(TrainConfig.num_heads, "--heads", help="Number of heads K (hydra: the deepest level drafted)."),
+    unroll: int = typer.Option(TrainConfig.unroll, "--unroll", help="eagle: training passes on its own predicted features (depths trained)."),
+    layers: int = typer.Option(TrainConfig.num_layers, "--layers", help="Residual blocks per head."),
+    inner_size: int = typer.Option(TrainConfig.inner_size, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
+    own_lm_head: bool = typer.Option(TrainConfig.own_lm_head, "--own-lm-head", help="Train an LM head per head (large) instead of sharing the base's."),
+    targets: str = typer.Option(TrainConfig.targets, "--targets", help="tokens: the data's tokens; kd: the base model's distribution."),
+    feature_weight: float = typer.Option(TrainConfig.feature_weight, "--feature-weight", help="Weight of the EAGLE-style feature regression term."),
+    vocab_fraction: float = typer.Option(TrainConfig.vocab_fraction, "--vocab-fraction", help="Share of positions that pay the vocabulary-wide loss."),
+    train_vocab: int = typer.Option(TrainConfig.train_vocab, "--train-vocab", help="Vocabulary losses over only the N most frequent label tokens (0: all)."),
+    decay: float = typer.Option(TrainConfig.decay, "--decay", help="Head k's loss weight is decay**(k-1)."),
+    epochs: float = typer.Option(TrainConfig.epochs, "--epochs"),
+    lr: float = typer.Option(TrainConfig.lr, "--lr"),
+    warmup_steps: int = typer.Option(TrainConfig.warmup_steps, "--warmup-steps"),
+    batch_size: int = typer.Option(TrainConfig.batch_size, "--batch-size", help="Positions per step and process."),
+    grad_accum: int = typer.Option(TrainConfig.grad_accum, "--grad-accum"),
+    max_length: int = typer.Option(TrainConfig.max_length, "--max-length"),
+    max_conversations: Optional[int] = typer.Option(TrainConfig.max_conversations, "--max-conversations"),
+    eval_conversations: int = typer.Option(TrainConfig.eval_conversations, "--eval-conversations"),
+    save_every: int = typer.Option(TrainConfig.save_every, "--save-every"),
+    seed: int = typer.Option(TrainConfig.seed, "--seed"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
-    mixed_precision: str = typer.Option("auto", "--mixed-precision", help="no, bf16, fp16 or auto."),
+    mixed_precision: str = typer.Option(TrainConfig.mixed_precision, "--mixed-precision", help="no, bf16, fp16 or auto."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
 ) -> None:
     """Train Medusa heads, or a hydra/eagle drafter, on a frozen base model, on HF Accelerate."""
-    from .config import TrainConfig
     from .train import metrics_table, train as run_training
 
     cfg = TrainConfig(
@@ -313,7 +299,7 @@ def bench(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (default: plain,medusa,hf,hf-pld; medusa only with heads)."),
-    ngram: int = typer.Option(8, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
+    ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
     drafter: list[Path] = typer.Option([], "--drafter", help="A hydra or eagle checkpoint (repeatable) for methods hydra/eagle; default: the shipped ones."),

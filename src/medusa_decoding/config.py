@@ -18,9 +18,30 @@ DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
     (0, 0, 1), (0, 3), (3,), (0, 1, 0), (2, 0), (4,), (0, 0, 2),
 )
 
+# A dynamic tree (EAGLE-2's rule on Medusa heads): its universe holds the paths of ranks < WIDTH
+# of up to DEPTH heads (340 paths); each step keeps the BUDGET most probable nodes, root included.
+DYNAMIC_WIDTH, DYNAMIC_DEPTH, DYNAMIC_BUDGET = 4, 4, 16
+
 
 class MedusaError(ValueError):
     """A user error: its message is one line naming what was wrong and what is accepted."""
+
+
+class DrafterKind(str, enum.Enum):
+    """What proposes a step's tree: the `drafter` field of a checkpoint's config.json. Each kind
+    is one file in proposers/ and one line of its registry."""
+
+    MEDUSA = "medusa"  # K heads on the last hidden state, a static or per-step (dynamic) tree
+    HYDRA = "hydra"  # sequential heads that also read the tokens of the branch they extend
+    EAGLE = "eagle"  # one decoder layer that drafts features, EAGLE-2's tree rule
+
+    @classmethod
+    def parse(cls, value) -> DrafterKind:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(k.value for k in cls)
+            raise MedusaError(f"unknown drafter {value!r}; use one of {names}") from None
 
 
 class Acceptance(str, enum.Enum):
@@ -55,7 +76,7 @@ class HeadsConfig(JsonConfig):
     vocab_size: int = 49152  # V, must equal the base model's vocabulary
     base_model_name_or_path: str = DEFAULT_MODEL
     shared_lm_head: bool = True  # True: use the base model's frozen LM head
-    drafter: str = "medusa"  # the proposer kind stored in this checkpoint
+    drafter: str = DrafterKind.MEDUSA.value  # the proposer kind stored in this checkpoint
 
 
 @dataclass
@@ -145,8 +166,7 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("medusa", "hydra", "eagle"):
-            raise MedusaError(f"unknown drafter {self.drafter!r}; use medusa, hydra or eagle")
+        self.drafter = DrafterKind.parse(self.drafter).value
         if self.unroll < 1:
             raise MedusaError(f"unroll must be >= 1, got {self.unroll}")
         if self.targets not in ("tokens", "kd"):
@@ -181,3 +201,13 @@ class NgramConfig:
     def copy_chain(self) -> int:
         """Tokens of the chain a copy step verifies."""
         return max(self.copy_length, self.length)
+
+
+@dataclass
+class DistillConfig:
+    """Self-distillation data (data.distill, `medusa distill-data`): the base's own answers."""
+
+    max_new_tokens: int = 256  # per answer
+    temperature: float = 0.0  # 0: greedy answers, what greedy decoding will see
+    batch_size: int = 48  # prompts generated together
+    max_prompt_tokens: int = 256  # longer prompts are skipped (counted)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import MedusaError
+from .config import DistillConfig, MedusaError
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,10 @@ def distill(
     out: Path,
     source: str = "sharegpt",
     limit: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    batch_size: int = 16,
-    max_prompt_tokens: int = 512,
+    max_new_tokens: int = DistillConfig.max_new_tokens,
+    temperature: float = DistillConfig.temperature,
+    batch_size: int = DistillConfig.batch_size,
+    max_prompt_tokens: int = DistillConfig.max_prompt_tokens,
     dtype: str = "auto",
     device: str = "auto",
     progress: bool = True,

@@ -14,7 +14,7 @@ Both end in the base's frozen LM head, restricted to a shortlist of V' frequent 
 in the checkpoint): a drafter never proposes a token outside it, which costs acceptance only,
 never exactness (the base verifies every candidate), and makes each depth ~V/V' cheaper.
 
-Both draft with EAGLE-2's rule (`grow_tree`): expand the W best nodes of each depth by their
+Both draft (proposers/hydra.py, proposers/eagle.py) with EAGLE-2's rule (`grow_tree`): expand the W best nodes of each depth by their
 cumulative log-probability, then keep the budget - 1 best nodes of all depths. A child never
 scores above its parent, so the kept nodes form a tree.
 """
@@ -30,12 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import DEFAULT_MODEL, JsonConfig, MedusaError
+from .config import DEFAULT_MODEL, DrafterKind, JsonConfig, MedusaError
 from .heads import check_fits
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-DRAFTERS = ("hydra", "eagle")
+DRAFTERS = (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value)  # the kinds this file builds
 
 
 @dataclass
@@ -225,14 +225,6 @@ def for_base(kind: str, base_model, name_or_path: str = "", **overrides) -> Hydr
     return drafter.to(device=weight.device, dtype=weight.dtype)
 
 
-def is_drafter(path: Path) -> bool:
-    """True when `path` holds a hydra/eagle checkpoint (config.json naming one)."""
-    try:
-        return json.loads((path / CONFIG_NAME).read_text()).get("drafter") in DRAFTERS
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
     """Load a drafter saved by save_pretrained, sized and placed for `base_model`."""
     path = Path(path).expanduser()
@@ -251,109 +243,3 @@ def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
         )
     weight = base_model.get_output_embeddings().weight
     return drafter.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
-
-
-class DraftSession:
-    """One generation's drafting state: what the drafter has read so far, and how to draft the
-    next tree. Made once per prompt; `advance` feeds it verified positions (the prompt, then
-    each step's accepted path), `propose` drafts the next tree."""
-
-    def __init__(self, drafter: HydraHeads | EagleDrafter, base_model, width: int | None = None,
-                 depth: int | None = None, budget: int | None = None):
-        cfg = drafter.config
-        self.drafter = drafter
-        self.embed = base_model.get_input_embeddings()
-        self.short = drafter.shortlist(base_model)
-        self.width = width or cfg.draft_width
-        self.depth = depth or cfg.draft_depth
-        if drafter.kind == "hydra":  # hydra drafts at most one depth per head
-            self.depth = min(self.depth, cfg.num_heads)
-        self.budget = budget or cfg.draft_budget
-        self.eagle = isinstance(drafter, EagleDrafter)
-        self.cache = drafter.new_cache() if self.eagle else None
-        self.committed = 0  # eagle: drafter positions in its cache
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # features [A, D], next tokens [A]
-        self.last_hidden: torch.Tensor | None = None  # hydra: [D]
-
-    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Commit verified positions: hidden [A, D] the base's features at A consecutive positions
-        (after the last committed one), next_tokens [A] the token that follows each."""
-        if self.eagle:
-            if self.pending is not None:  # not yet read (a step without drafting)
-                hidden = torch.cat([self.pending[0], hidden])
-                next_tokens = torch.cat([self.pending[1], next_tokens])
-            self.pending = (hidden, next_tokens)
-        else:
-            self.last_hidden = hidden[-1]
-
-    def _eagle_read(self) -> torch.Tensor:
-        """Feed the pending verified positions -> the predicted feature after the last one [D]."""
-        hidden, next_tokens = self.pending
-        n, start = hidden.shape[0], self.committed
-        drafted = self.cache.get_seq_length() - start
-        if drafted > 0:
-            self.cache.crop(-drafted)  # drop the last step's draft nodes
-        dtype = self.short.weight.dtype
-        mask = torch.zeros(n, start + n, dtype=dtype, device=hidden.device)
-        mask[:, start:] = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
-        pos = torch.arange(start, start + n, device=hidden.device)[None]
-        out = self.drafter(hidden[None].to(dtype), self.embed(next_tokens)[None], pos, mask[None, None], self.cache)
-        self.committed, self.pending = start + n, None
-        return out[0, -1]
-
-    def propose(self, root: torch.Tensor) -> DraftTree:
-        """root [] long (the next token, not yet verified) -> this step's tree of token ids."""
-        first, expand = self._eagle_expander() if self.eagle else self._hydra_expander(root)
-        index, parent, depth, score = grow_tree(first, expand, self.width, self.depth, self.budget)
-        tokens = self.short.vocab[index]
-        tokens[0] = root
-        return DraftTree(tokens=tokens, parent=parent, depth=depth, score=score, max_depth=self.depth)
-
-    def _hydra_expander(self, root: torch.Tensor):
-        heads, h = self.drafter, self.last_hidden  # [D]
-        root_embed = self.embed(root.reshape(1))  # [1, D]
-        first = self.short.log_probs(heads.head(0, h[None], root_embed[None]))[0]  # [V']
-        calls = [0]
-
-        def expand(frontier, tokens, parents):
-            k = calls[0] = calls[0] + 1  # the frontier is at depth k, its children are head k's
-            chain, node = [], frontier
-            for _ in range(k):  # walk up to the depth-1 ancestor: one step per depth
-                chain.append(node)
-                node = parents[node]
-            ids = self.short.vocab[tokens[torch.stack(chain[::-1], dim=-1)]]  # [W, k]
-            embeds = torch.cat([root_embed.expand(len(frontier), 1, -1), self.embed(ids)], dim=1)  # [W, k+1, D]
-            return self.short.log_probs(heads.head(k, h.expand(len(frontier), -1), embeds))
-
-        return first, expand
-
-    def _eagle_expander(self):
-        g0 = self._eagle_read()  # [D]: the predicted feature at the root's position
-        root_pos, dtype, device = self.committed, self.short.weight.dtype, g0.device
-        most = self.width * max(self.depth - 1, 1)  # drafted nodes the drafter reads, at most
-        slot_of = torch.full((1 + self.width + self.width**2 * self.depth,), -1, dtype=torch.long, device=device)
-        see = torch.zeros(most, most, dtype=torch.bool, device=device)  # [slot, slot]: ancestors, itself
-        feats = torch.empty(1 + most, g0.shape[-1], dtype=g0.dtype, device=device)  # [0]: g0, [1 + slot]
-        feats[0] = g0
-        calls = [0]
-
-        def expand(frontier, tokens, parents):
-            j = calls[0]
-            calls[0] += 1
-            n, w = j * self.width, len(frontier)  # slots used before, slots now
-            parent_slot = slot_of[parents[frontier]]  # [W], -1 under the root
-            slots = torch.arange(n, n + w, device=device)
-            slot_of[frontier] = slots
-            rows = see[parent_slot.clamp(min=0)] & (parent_slot >= 0)[:, None]  # [W, most]
-            rows[torch.arange(w, device=device), slots] = True
-            see[slots] = rows
-            bias = torch.zeros(w, self.committed + n + w, dtype=dtype, device=device)
-            bias[:, self.committed:].masked_fill_(~rows[:, : n + w], torch.finfo(dtype).min)
-            pos = torch.full((1, w), root_pos + j, dtype=torch.long, device=device)
-            x_tok = self.short.vocab[tokens[frontier]]  # [W]
-            out = self.drafter(feats[parent_slot + 1][None], self.embed(x_tok)[None], pos, bias[None, None],
-                               self.cache)[0]  # [W, D]
-            feats[slots + 1] = out
-            return self.short.log_probs(out)
-
-        return self.short.log_probs(g0), expand

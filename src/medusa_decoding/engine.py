@@ -1,48 +1,414 @@
-"""`MedusaModel`: the Python API, in the style of transformers.
+"""The decode loop and `MedusaModel`, the Python API in the style of transformers.
 
     model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped")
     out = model.generate("Write a haiku about the sea.", max_new_tokens=64)
     print(out.text, out.stats.mean_accepted_length)
     for delta in model.stream("Tell me a joke."):
         print(delta, end="", flush=True)
+
+Glossary: B active rows (sequences), T prompt length, N tree nodes of a row's step (root first),
+A accepted nodes (root included), D hidden size, V vocabulary.
+
+One loop for B >= 1 rows (`Decoder.step`): 1 propose (each row's proposer), 2 verify (one
+forward over every row's tree), 3 accept (each row's rule and generator), 4 commit (keep each
+row's accepted path). `generate` and `stream` are its one-row case; continuous batching (the
+server) is `add` and `cancel` between steps. Greedy output of every row is token-identical to
+plain decoding of that row alone, whatever the drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import itertools
+import time
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from .config import DEFAULT_MODEL, DEFAULT_TREE, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
-from .decode import GenerationStats, decode
-from . import drafters
-from .drafters import EagleDrafter, HydraHeads
-from .heads import MedusaHeads
+from . import proposers
+from .acceptance import accept
+from .config import DEFAULT_MODEL, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .models import load_base
-from .runner import Runner
-from .tree import DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, validate_paths
+from .proposers import Drafter, Proposer
+from .proposers.ngram import NgramBranch
+from .text import TextDecoder
+from .tree import TreeBuffers, build_tree
+from .verifiers import Verifier
+from .verifiers.compiled import CompiledBackend
+from .verifiers.transformers import EagerBackend, TransformersVerifier
 
-TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads
-DYNAMIC = "dynamic"  # tree= this: a tree re-selected every step from the heads' probabilities
-DYNAMIC_WIDTH, DYNAMIC_DEPTH = 4, 4  # its universe: ranks < 4 of up to 4 heads (340 paths)
-DEFAULT_BUDGET = 16  # nodes of a dynamic tree, root included
+ROOT_ONLY = build_tree([])
+
+
+@dataclass
+class GenerationStats:
+    """Per-sequence counters; a step is one verification forward."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    # tokens emitted per step, bonus included (the first token, from the prefill, is not a step)
+    accepted_lengths: list[int] = field(default_factory=list)
+    # accepted_per_depth[d]: steps in which a depth-(d+1) candidate was accepted
+    accepted_per_depth: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # this sequence's share of its steps' time
+    ngram_steps: int = 0  # steps whose tree carried an n-gram branch
+    ngram_accepted: int = 0  # candidates accepted on the n-gram branch
+    copy_steps: int = 0  # steps that verified the n-gram chain alone (NgramConfig.copy_run)
+    nodes: int = 0  # tree nodes verified, summed over steps
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / max(self.steps, 1) for a in self.accepted_per_depth]
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def record(self, accepted: int) -> None:
+        """A step emitted `accepted` tokens (bonus included)."""
+        self.steps += 1
+        self.accepted_lengths.append(accepted)
+        if len(self.accepted_per_depth) < accepted - 1:
+            self.accepted_per_depth += [0] * (accepted - 1 - len(self.accepted_per_depth))
+        for d in range(accepted - 1):
+            self.accepted_per_depth[d] += 1
+
+    def summary(self) -> str:
+        depth = " ".join(f"{a:.2f}" for a in self.acceptance_per_depth)
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}"
+            + (f", acceptance per depth [{depth}]" if depth else "")
+            + f", prefill {self.prefill_s * 1000:.0f} ms"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
+            "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
+            "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s, "ngram_steps": self.ngram_steps,
+            "ngram_accepted": self.ngram_accepted, "copy_steps": self.copy_steps,
+        }
+
+
+@dataclass
+class Request:
+    """One sequence to decode."""
+
+    input_ids: torch.Tensor  # [T] long (or [1, T])
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    id: Hashable | None = None  # None: the decoder numbers it
+    stats: GenerationStats | None = None  # filled in as it decodes (None: a new one)
+
+
+@dataclass
+class RowOutput:
+    """What one sequence emitted in one call of `add` or `step`."""
+
+    id: Hashable
+    tokens: list[int]  # the new tokens (EOS included when it ended the sequence)
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS) or "length" (max_new_tokens or context), once finished
+    stats: GenerationStats
+
+
+@dataclass
+class Method:
+    """How rows propose: a drafter (None: plain decoding) and an n-gram branch (None: none)."""
+
+    drafter: Drafter | None = None
+    ngram: NgramConfig | None = None
+
+    def proposer(self) -> Proposer:
+        inner = self.drafter.proposer() if self.drafter is not None else None
+        if self.ngram is not None:
+            return NgramBranch(inner, self.ngram)
+        return inner or Proposer()
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None or self.ngram is not None
+
+    def tree_sizes(self) -> list[int]:
+        """Node counts of this method's verification steps (the shapes a compiled backend needs)."""
+        trees = self.drafter.tree_sizes() if self.drafter is not None else {1}
+        sizes = {1} | trees  # 1: steps near the context end
+        if self.ngram:  # with the n-gram chain, and the chain alone on copy steps
+            sizes |= {n + self.ngram.length for n in trees} | {1 + self.ngram.copy_chain}
+        return sorted(sizes)
+
+    @property
+    def default_budget(self) -> int:
+        """Its own budget (the n-gram branch alone: 2, any budget above 1 turns it on)."""
+        if self.drafter is not None:
+            return self.drafter.default_budget
+        return 2 if self.ngram is not None else 1
+
+    def describe(self) -> str:
+        parts = [self.drafter.describe()] if self.drafter is not None else []
+        parts += [f"{self.ngram.length}-token n-gram branch"] if self.ngram else []
+        return " + ".join(parts) or "plain"
+
+
+class FixedSpeculation:
+    """Every step at the method's own budget (one sequence, or a batch sized by hand)."""
+
+    def budget(self, rows: int) -> int | None:
+        return None
+
+    def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
+        pass
+
+
+class AdaptiveSpeculation:
+    """The budget of each step chosen from measured throughput at the current number of rows.
+
+    For each row count B it keeps a running mean of tokens per second of step time (drafting,
+    verification and acceptance) at each budget of `levels` (1 is plain decoding): each level is
+    measured `warm` times first, then the fastest is used and every `explore`-th step measures
+    another one again. So at every batch size speculation runs only where, measured on this
+    machine, it emits more tokens per second than plain batched decoding.
+    """
+
+    def __init__(self, levels: Iterable[int], warm: int = 3, explore: int = 16, alpha: float = 0.25):
+        self.levels = sorted(set(levels) | {1})
+        self.warm, self.explore, self.alpha = warm, explore, alpha
+        self.rate: dict[tuple[int, int], float] = {}  # (rows, budget) -> tokens per second
+        self.count: dict[tuple[int, int], int] = {}
+        self.steps: dict[int, int] = {}
+
+    def budget(self, rows: int) -> int:
+        step = self.steps[rows] = self.steps.get(rows, 0) + 1
+        for level in self.levels:
+            if self.count.get((rows, level), 0) < self.warm:
+                return level
+        best = max(self.levels, key=lambda lv: self.rate[(rows, lv)])
+        if step % self.explore == 0 and len(self.levels) > 1:  # re-measure the others now and then, in turn
+            others = [lv for lv in self.levels if lv != best]
+            return others[(step // self.explore) % len(others)]
+        return best
+
+    def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
+        key = (rows, budget)
+        rate = tokens / max(seconds, 1e-9)
+        n = self.count[key] = self.count.get(key, 0) + 1
+        self.rate[key] = rate if n == 1 else (1 - self.alpha) * self.rate[key] + self.alpha * rate
+
+    def table(self) -> dict:
+        """{rows: {budget: tokens/s}} measured so far."""
+        out: dict[int, dict[int, float]] = {}
+        for (rows, level), rate in sorted(self.rate.items()):
+            out.setdefault(rows, {})[level] = round(rate, 1)
+        return out
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A sequence in the decoder: everything its next step needs."""
+
+    request: Request
+    proposer: Proposer
+    row: object  # the verifier's Row
+    generator: torch.Generator | None
+    stats: GenerationStats
+    eos: set[int]
+    root: torch.Tensor  # [] long: the last emitted token, not yet in the cache
+
+
+class Decoder:
+    """Decode up to `max_batch_size` sequences together, one verification forward per step.
+    Not thread-safe: one owner calls add / step / cancel."""
+
+    def __init__(self, verifier: Verifier, method: Method, eos_token_ids: Iterable[int], max_batch_size: int = 1,
+                 policy: FixedSpeculation | AdaptiveSpeculation | None = None):
+        if max_batch_size < 1:
+            raise MedusaError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.verifier, self.method = verifier, method
+        self.eos = {int(e) for e in eos_token_ids}
+        self.max_batch_size = min(max_batch_size, verifier.max_rows or max_batch_size)
+        self.policy = policy or FixedSpeculation()
+        self.ctx = verifier.context_length
+        self.seqs: list[_Seq] = []
+        self._ids = itertools.count()
+        self._root_only: TreeBuffers | None = None
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.seqs) < self.max_batch_size
+
+    @property
+    def ids(self) -> list[Hashable]:
+        return [s.request.id for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @torch.inference_mode()
+    def add(self, request: Request) -> RowOutput:
+        """Prefill a new sequence and join it to the batch -> its first token. A sequence that ends
+        on that token (EOS, max_new_tokens 1, context) takes no place."""
+        if not self.has_room:
+            raise MedusaError(f"the batch is full ({self.max_batch_size} sequences)")
+        if request.id is None:
+            request.id = next(self._ids)
+        if request.id in self.ids:
+            raise MedusaError(f"a sequence with id {request.id!r} is already in the batch")
+        ids = request.input_ids.reshape(-1)
+        gen = request.generation
+        t0 = time.perf_counter()
+        proposer = self.method.proposer()
+        room = gen.max_new_tokens + 2 * max(proposer.depth_limit, 1) + 2
+        row, logits, hidden = self.verifier.add(ids, room)  # [V], [T, D]
+        ids = ids.to(logits.device)
+        generator = None
+        if request.sampling.seed is not None:
+            generator = torch.Generator(device=logits.device).manual_seed(request.sampling.seed)
+        root = accept(ids[-1:], logits[None], self._root(logits.device), request.sampling, generator).bonus
+        proposer.start(ids)
+        proposer.observe(hidden, torch.cat([ids[1:], root.reshape(1)]), None)
+        stats = request.stats if request.stats is not None else GenerationStats()
+        stats.prompt_tokens, stats.new_tokens = ids.numel(), 1
+        stats.prefill_s = time.perf_counter() - t0
+        eos = self.eos if gen.eos_token_ids is None else {int(e) for e in gen.eos_token_ids}
+        seq = _Seq(request, proposer, row, generator, stats, eos, root)
+        token = int(root)
+        reason = self._finish_reason(seq, [token])
+        if reason is None:
+            self.seqs.append(seq)
+        else:
+            self.verifier.release(row)
+        return RowOutput(request.id, [token], reason is not None, reason, stats)
+
+    @torch.inference_mode()
+    def step(self) -> list[RowOutput]:
+        """One verification forward over every active sequence; finished ones leave the batch."""
+        if not self.seqs:
+            return []
+        t0 = time.perf_counter()
+        seqs, rows = self.seqs, [s.row for s in self.seqs]
+        budget = self.policy.budget(len(seqs)) if self.method.speculative else 1
+        # 1. propose: each row's proposer drafts its tree (the root alone near the context end)
+        proposals = [s.proposer.propose(s.root, budget) if s.row.length + s.proposer.depth_limit + 2 <= self.ctx
+                     else None for s in seqs]
+        root_only = self._root(seqs[0].root.device)
+        tokens = [p.tokens if p is not None else s.root.reshape(1) for s, p in zip(seqs, proposals)]  # [N_b] each
+        trees = [p.tree if p is not None else root_only for p in proposals]
+        # 2. verify: one forward over every node of every row, each at position length + depth
+        logits, hidden = self.verifier.verify(rows, tokens, trees)  # [B, N, V], [B, N, D]
+        # 3. accept: the longest path each row's base model agrees with, plus the bonus token
+        results = [accept(t, logits[b, : t.numel()], tree, s.request.sampling, s.generator)
+                   for b, (s, t, tree) in enumerate(zip(seqs, tokens, trees))]
+        # 4. commit: keep each row's accepted path in the cache; the bonus is its next root
+        self.verifier.commit(rows, [r.nodes for r in results])
+        emitted = [torch.cat([t[r.nodes[1:]], r.bonus.reshape(1)]) for t, r in zip(tokens, results)]  # [A_b] each
+        for b, (s, r) in enumerate(zip(seqs, results)):
+            s.proposer.observe(hidden[b, r.nodes], emitted[b], r.nodes)
+        flat = torch.cat(emitted).tolist()  # one host read: every row's accepted candidates and bonus
+        step_s = time.perf_counter() - t0
+        self.policy.observe(len(seqs), budget, len(flat), step_s)
+
+        outputs, keep = [], []
+        for s, p, r, e in zip(seqs, proposals, results, emitted):
+            new, flat = flat[: e.numel()], flat[e.numel():]
+            s.root = r.bonus
+            st = s.stats
+            st.record(len(new))
+            st.nodes += p.tokens.numel() if p is not None else 1
+            if p is not None and p.chain:
+                st.ngram_steps += 1
+                st.copy_steps += p.copy_step
+                if len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain:
+                    st.ngram_accepted += len(new) - 1
+            new = self._cut(s, new)
+            st.new_tokens += len(new)
+            st.decode_s += step_s / len(seqs)  # a step's time, shared by its rows
+            reason = self._finish_reason(s, new)
+            outputs.append(RowOutput(s.request.id, new, reason is not None, reason, st))
+            if reason is None:
+                keep.append(s)
+            else:
+                self.verifier.release(s.row)
+        self.seqs = keep
+        return outputs
+
+    @torch.inference_mode()
+    def cancel(self, request_id: Hashable) -> bool:
+        """Drop a sequence at once (its place is free for the next add); False if it is unknown."""
+        for s in self.seqs:
+            if s.request.id == request_id:
+                self.seqs.remove(s)
+                self.verifier.release(s.row)
+                return True
+        return False
+
+    def close(self) -> None:
+        """Drop every sequence."""
+        for request_id in self.ids:
+            self.cancel(request_id)
+
+    def run(self, requests: Iterable[Request]) -> dict[Hashable, list[int]]:
+        """Decode all `requests` to the end (joining as places free up): id -> new tokens."""
+        pending, tokens = list(requests), {}
+        while pending or self.seqs:
+            while pending and self.has_room:
+                out = self.add(pending.pop(0))
+                tokens[out.id] = list(out.tokens)
+            for out in self.step():
+                tokens[out.id] += out.tokens
+        return tokens
+
+    def _root(self, device) -> TreeBuffers:
+        if self._root_only is None:
+            self._root_only = ROOT_ONLY.to(device)
+        return self._root_only
+
+    def _cut(self, seq: _Seq, new: list[int]) -> list[int]:
+        """Cut a step's tokens at max_new_tokens and after the first EOS."""
+        gen = seq.request.generation
+        new = new[: gen.max_new_tokens - seq.stats.new_tokens]
+        if not gen.ignore_eos:
+            for i, t in enumerate(new):
+                if t in seq.eos:
+                    return new[: i + 1]
+        return new
+
+    def _finish_reason(self, seq: _Seq, new: list[int]) -> str | None:
+        """After `new` was emitted (and counted): "stop" on EOS, "length" at max_new_tokens or the
+        context end, None while the sequence goes on."""
+        gen = seq.request.generation
+        if not gen.ignore_eos and new and new[-1] in seq.eos:
+            return "stop"
+        if seq.stats.new_tokens >= gen.max_new_tokens or seq.row.length + 1 >= self.ctx:
+            return "length"
+        return None
 
 
 def shipped_heads(alias: str, kind: str | None = None) -> Path | None:
     """The drafter shipped inside the package for a built-in model, if any: Medusa heads in
-    weights/<alias>/, hydra and eagle drafters in weights/<alias>/<kind>/. kind None: the
-    default one (weights/<alias>/default.txt names it; Medusa heads without it)."""
+    weights/<alias>/, other kinds in weights/<alias>/<kind>/. kind None: the default one
+    (weights/<alias>/default.txt names it; Medusa heads without it)."""
     from .models import BUILTIN_MODELS
 
     if alias not in BUILTIN_MODELS:
         return None
     root = Path(str(resources.files("medusa_decoding") / "weights" / alias))
     if kind is None:
-        kind = (root / "default.txt").read_text().strip() if (root / "default.txt").is_file() else "medusa"
-    path = root if kind == "medusa" else root / kind
+        kind = (root / "default.txt").read_text().strip() if (root / "default.txt").is_file() else DrafterKind.MEDUSA.value
+    path = root if kind == DrafterKind.MEDUSA.value else root / kind
     return path if (path / "config.json").is_file() else None
 
 
@@ -56,75 +422,54 @@ class GenerationOutput:
 
 class TextStream:
     """An iterator of text deltas; once exhausted, `.text`, `.token_ids`, `.stats` and
-    `.finish_reason` describe the whole generation. Text is held back while it may be the
-    start of a stop string or an incomplete UTF-8 character, and never goes past a stop."""
+    `.finish_reason` describe the whole generation (text.TextDecoder's rules)."""
 
-    def __init__(self, tokenizer, tokens: Iterator[list[int]], stats: GenerationStats,
-                 generation: GenerationConfig, eos_token_ids: set[int]):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer, tokens: Iterator[RowOutput], stats: GenerationStats, stop: Sequence[str]):
         self._tokens = tokens
-        self._stop = generation.stop
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._eos = eos_token_ids
+        self._text = TextDecoder(tokenizer, stop)
         self.stats = stats
-        self.token_ids: list[int] = []
-        self.text = ""
         self.finish_reason = "length"  # "stop" when an EOS token or a stop string ended it
 
-    def _stopped_text(self) -> str | None:
-        """The text so far, cut before the first stop string, or None if there is none."""
-        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        self.text = text[: min(cuts)] if cuts else text
-        return self.text if cuts else None
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._text.token_ids
 
     def __iter__(self) -> Iterator[str]:
-        sent = 0
-        for chunk in self._tokens:
-            stopped = False
-            for token in chunk:  # token by token, so no token past a stop string is kept
-                self.token_ids.append(token)
-                if self._stopped_text() is not None:
-                    stopped = True
-                    break
-            if stopped or (self.token_ids and self.token_ids[-1] in self._eos):
+        text = self._text
+        for out in self._tokens:
+            delta = text.push(out.tokens)
+            if text.stopped or out.finish_reason == "stop":
                 self.finish_reason = "stop"
-            if stopped:
+            if out.finished or text.stopped:
+                delta += text.flush()
+            if delta:
+                yield delta
+            if text.stopped:
                 self._tokens.close()
                 break
-            safe = len(self.text) - self._hold
-            while safe > sent and self.text[safe - 1] == "\ufffd":
-                safe -= 1
-            if safe > sent:
-                yield self.text[sent:safe]
-                sent = safe
-        if len(self.text) > sent:
-            yield self.text[sent:]
 
 
 class MedusaModel:
-    """A base causal LM, an optional drafter (Medusa heads, or a path-aware hydra/eagle drafter
-    that drafts its own tree every step), a candidate tree, an optional n-gram branch."""
+    """A base causal LM, a method (a drafter and an n-gram branch), and a backend (eager or
+    compiled) shared by every generation."""
 
-    def __init__(self, base, tokenizer, heads: MedusaHeads | HydraHeads | EagleDrafter | None = None, tree=None, name: str = "",
-                 ngram: NgramConfig | bool | None = None, tree_budget: int | None = None,
-                 runner: Runner | None = None, compile: bool = False):
-        self.base = base
-        # how the base runs (eager or compiled); share one runner between models on the same base
-        self.runner = runner or Runner(base, compile=compile)
-        self.tree_budget = tree_budget  # None: 16 for a dynamic tree, the checkpoint's for a drafter
-        self.ngram = NgramConfig() if ngram is True else (ngram or None)
-        self.tokenizer = tokenizer
+    def __init__(self, base, tokenizer, heads=None, tree=None, name: str = "", ngram: NgramConfig | bool | None = None,
+                 tree_budget: int | None = None, backend: EagerBackend | None = None, compile: bool = False):
+        """heads: drafter weights (MedusaHeads, HydraHeads, EagleDrafter, any registered kind), a
+        Drafter, or None (plain decoding). tree: for Medusa heads (file, paths, "dynamic")."""
+        self.base, self.tokenizer = base, tokenizer
         self.name = name or base.config.name_or_path
-        self.heads = None
-        self.tree = build_tree([])
-        if heads is not None:
-            heads.check_fits(base)
-            self.heads = heads.to(device=self.device, dtype=base.dtype).eval().requires_grad_(False)
-            if not isinstance(heads, (HydraHeads, EagleDrafter)):
-                self.tree = self._fit_tree(tree)
-            elif isinstance(tree, (str, Path, list, tuple)) and tree != DYNAMIC:
-                raise MedusaError(f"a {heads.kind} drafter drafts its own tree every step; give no tree file")
+        # how the base runs; share one backend between models on the same base
+        self.backend = backend or (CompiledBackend(base) if compile else EagerBackend(base))
+        if heads is None or isinstance(heads, Drafter):
+            self.drafter = heads
+        else:
+            self.drafter = proposers.wrap(heads, base, tree, tree_budget)
+        self.ngram = NgramConfig() if ngram is True else (ngram or None)
         gen = getattr(base, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else base.config.get_text_config().eos_token_id
@@ -133,43 +478,37 @@ class MedusaModel:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
-    def _fit_tree(self, tree) -> TreeBuffers | DynamicTree:
-        k = self.heads.num_heads
-        if tree is None:  # the default tree, cut to the heads available
-            return build_tree([p for p in DEFAULT_TREE if len(p) <= k])
-        if isinstance(tree, DynamicTree):
-            if tree.universe.max_depth > k:
-                raise MedusaError(f"the dynamic tree reads {tree.universe.max_depth} heads but there are only {k}")
-            return tree
-        if tree == DYNAMIC:
-            return dynamic_tree(DYNAMIC_WIDTH, min(k, DYNAMIC_DEPTH), self.tree_budget or DEFAULT_BUDGET)
-        paths = tree.paths if isinstance(tree, TreeBuffers) else (
-            load_tree_file(tree) if isinstance(tree, (str, Path)) else validate_paths(tree)
-        )
-        deepest = max((len(p) for p in paths), default=0)
-        if deepest > k:
-            raise MedusaError(f"the tree is {deepest} levels deep but the heads have only {k} heads")
-        return build_tree(paths)
+    @property
+    def heads(self):
+        """The drafter's weights (None for plain decoding)."""
+        d = self.drafter
+        return None if d is None else getattr(d, "heads", None) or getattr(d, "module", None)
+
+    @property
+    def tree(self):
+        """Medusa heads' tree (static TreeBuffers or DynamicTree); the one-node tree otherwise."""
+        return getattr(self.drafter, "tree", ROOT_ONLY)
+
+    def method(self, use_medusa: bool = True) -> Method:
+        return Method(self.drafter, self.ngram) if use_medusa else Method()
+
+    def verifier(self, rows: int = 1) -> TransformersVerifier:
+        """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""
+        return TransformersVerifier(self.backend, rows_hint=rows)
+
+    def decoder(self, max_batch_size: int = 1, use_medusa: bool = True, policy=None) -> Decoder:
+        """A decoder for up to max_batch_size sequences at once (the server's and the batch bench's)."""
+        return Decoder(self.verifier(max_batch_size), self.method(use_medusa), self.eos_token_ids, max_batch_size,
+                       policy)
 
     def tree_sizes(self, use_medusa: bool = True) -> list[int]:
-        """Node counts of the verification steps this model takes: the shapes a compiled runner needs."""
-        if not use_medusa:
-            return [1]
-        if isinstance(self.heads, (HydraHeads, EagleDrafter)):
-            trees = {self.tree_budget or self.heads.config.draft_budget}
-        elif isinstance(self.tree, DynamicTree) and self.heads is not None:
-            trees = {self.tree.budget}
-        else:
-            trees = {self.tree.num_nodes if self.heads is not None else 1}
-        sizes = {1} | trees  # 1: steps near the context end
-        if self.ngram:  # with the n-gram chain, and the chain alone on copy steps
-            sizes |= {n + self.ngram.length for n in trees} | {1 + self.ngram.copy_chain}
-        return sorted(sizes)
+        """Node counts of the verification steps this model takes: the shapes a compiled backend needs."""
+        return self.method(use_medusa).tree_sizes()
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
         """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)
-        -> seconds; nothing to do for an eager runner."""
-        return self.runner.warmup(self.tree_sizes(use_medusa), max_slots)
+        -> seconds; nothing to do for an eager backend."""
+        return self.backend.warmup(self.tree_sizes(use_medusa), max_slots)
 
     @property
     def device(self) -> torch.device:
@@ -179,7 +518,7 @@ class MedusaModel:
     def from_pretrained(
         cls,
         base: str = DEFAULT_MODEL,
-        heads: str | Path | MedusaHeads | None = None,
+        heads: str | Path | None = None,
         tree: str | Path | Sequence[Sequence[int]] | None = None,
         tree_budget: int | None = None,
         dtype: str = "auto",
@@ -188,28 +527,24 @@ class MedusaModel:
         ngram: NgramConfig | bool | None = None,
         compile: bool = False,
     ) -> MedusaModel:
-        """Load a base model (built-in alias, HF folder or .gguf) and heads.
+        """Load a base model (built-in alias, HF folder or .gguf) and a drafter.
 
-        heads: None for plain decoding, a folder, a MedusaHeads, or "shipped" for the heads the
-        package ships for a built-in model. tree: paths or a JSON file; by default the heads'
-        calibrated tree.json when present, else the built-in default tree; "dynamic" re-selects
-        the tree_budget most probable nodes every step. ngram: True (or an NgramConfig) adds a
-        prompt-lookup branch to every tree. A hydra/eagle checkpoint drafts its own tree every
-        step (tree_budget nodes; default: the checkpoint's). compile: torch.compile the verification
-        step (static shapes, compiled on first use or by `warmup`).
+        heads: None for plain decoding, a checkpoint folder (its config.json's `drafter` names
+        the kind; Medusa heads when absent), drafter weights, or "shipped" for the drafter the
+        package ships for a built-in model. tree (Medusa heads): paths or a JSON file; by default
+        the heads' calibrated tree.json when present, else the built-in default tree; "dynamic"
+        re-selects the tree_budget most probable nodes every step. A hydra/eagle drafter drafts
+        its own tree every step (tree_budget nodes; default: the checkpoint's). ngram: True (or
+        an NgramConfig) adds a prompt-lookup branch to every tree. compile: torch.compile the
+        verification step (static shapes, compiled on first use or by `warmup`).
         """
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        if heads == "shipped":
+        if isinstance(heads, str) and heads == "shipped":
             heads = shipped_heads(base)
             if heads is None:
                 raise MedusaError(f"no heads are shipped for {base!r}; pass a heads folder or heads=None")
-        if isinstance(heads, (str, Path)) and drafters.is_drafter(Path(heads).expanduser()):
-            heads = drafters.from_pretrained(heads, model)
-        elif isinstance(heads, (str, Path)):
-            folder = Path(heads).expanduser()
-            heads = MedusaHeads.from_pretrained(folder)
-            if tree is None and (folder / TREE_NAME).is_file():
-                tree = folder / TREE_NAME
+        if isinstance(heads, (str, Path)):
+            heads = proposers.load(heads, model)
         return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget,
                    compile=compile)
 
@@ -233,7 +568,7 @@ class MedusaModel:
     def stream(
         self,
         prompt: str | list[dict] | torch.Tensor,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = GenerationConfig.max_new_tokens,
         chat: bool | None = None,
         stop: Sequence[str] = (),
         use_medusa: bool = True,
@@ -242,18 +577,25 @@ class MedusaModel:
     ) -> TextStream:
         """Generate and stream text deltas. `sampling`: SamplingConfig fields (temperature, top_p,
         top_k, seed, acceptance, ...). A tensor prompt is taken as input_ids [1, T].
-        use_medusa=False: plain decoding (no heads, no n-gram branch), the baseline."""
+        use_medusa=False: plain decoding (no drafter, no n-gram branch), the baseline."""
         generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos)
-        sampling_config = SamplingConfig(**sampling)
-        input_ids = prompt.to(self.device) if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat)
-        stats = GenerationStats()
-        heads = self.heads if use_medusa else None
-        ngram = self.ngram if use_medusa else None
-        tokens = decode(self.base, input_ids, heads, self.tree, generation, sampling_config,
-                        self.eos_token_ids, stats, ngram=ngram, draft_budget=self.tree_budget, runner=self.runner)
-        return TextStream(self.tokenizer, tokens, stats, generation, self.eos_token_ids)
+        request = Request(prompt if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat), generation,
+                          SamplingConfig(**sampling), stats=GenerationStats())
+        return TextStream(self.tokenizer, self._outputs(request, use_medusa), request.stats, generation.stop)
 
-    def generate(self, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationOutput:
+    def _outputs(self, request: Request, use_medusa: bool) -> Iterator[RowOutput]:
+        """The one-row case of the decode loop."""
+        decoder = self.decoder(1, use_medusa)
+        try:
+            out = decoder.add(request)
+            yield out
+            while not out.finished:
+                (out,) = decoder.step()
+                yield out
+        finally:  # also when the consumer stops early (a stop string): the row is released
+            decoder.close()
+
+    def generate(self, prompt, max_new_tokens: int = GenerationConfig.max_new_tokens, **kwargs) -> GenerationOutput:
         """Generate to the end and return the text, the new token ids and the stats."""
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, **kwargs)
         for _ in stream:

@@ -84,6 +84,8 @@ class MedusaHeads(nn.Module):
             else nn.ModuleList(nn.Linear(d, config.vocab_size, bias=False) for _ in range(config.medusa_num_heads))
         )
 
+    kind = "medusa"  # proposers.REGISTRY's key
+
     @property
     def num_heads(self) -> int:
         return self.config.medusa_num_heads
@@ -141,26 +143,27 @@ class MedusaHeads(nn.Module):
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None) -> MedusaHeads:
         """Load heads saved by save_pretrained, or a FasterDecoding Medusa or vLLM Medusa checkpoint."""
-        from . import interop
+        from . import interop  # format readers: config and state dicts, no heads (one-way import)
 
         path = Path(path).expanduser()
         if path.is_dir() and interop.is_faster_decoding(path):
-            return interop.load_faster_decoding(path).to(device=device, dtype=dtype).eval()
-        if path.is_dir() and interop.is_vllm(path):
-            return interop.load_vllm(path).to(device=device, dtype=dtype).eval()
-        if not (path / CONFIG_NAME).is_file():
-            raise MedusaError(f"no Medusa heads at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
-        raw = json.loads((path / CONFIG_NAME).read_text())
-        if not (path / WEIGHTS_NAME).is_file():
-            raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
-        state = load_file(path / WEIGHTS_NAME)
-        if "medusa_num_heads" not in raw:
-            raise MedusaError(f"{path / CONFIG_NAME} is not a Medusa heads config (no medusa_num_heads)")
-        heads = cls(HeadsConfig.from_dict(raw))
+            config, state = interop.load_faster_decoding(path)
+        elif path.is_dir() and interop.is_vllm(path):
+            config, state = interop.load_vllm(path)
+        else:
+            if not (path / CONFIG_NAME).is_file():
+                raise MedusaError(f"no Medusa heads at {path}: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
+            raw = json.loads((path / CONFIG_NAME).read_text())
+            if not (path / WEIGHTS_NAME).is_file():
+                raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
+            if "medusa_num_heads" not in raw:
+                raise MedusaError(f"{path / CONFIG_NAME} is not a Medusa heads config (no medusa_num_heads)")
+            config, state = HeadsConfig.from_dict(raw), load_file(path / WEIGHTS_NAME)
+        heads = cls(config)
         missing, unexpected = heads.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise MedusaError(
-                f"weights in {path / WEIGHTS_NAME} do not match its config: "
+                f"weights at {path} do not match its config: "
                 f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
             )
         return heads.to(device=device, dtype=dtype).eval()

@@ -32,18 +32,8 @@ def is_vllm(path: Path) -> bool:
     return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "medusa"
 
 
-def _heads_from_state(config: HeadsConfig, state: dict[str, torch.Tensor], source: Path):
-    from .heads import MedusaHeads
-
-    heads = MedusaHeads(config)
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise MedusaError(f"cannot read heads at {source}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    return heads
-
-
-def load_faster_decoding(path: Path):
-    """A FasterDecoding Medusa checkpoint -> MedusaHeads (own LM heads)."""
+def load_faster_decoding(path: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """A FasterDecoding Medusa checkpoint -> our heads config and state dict (own LM heads)."""
     raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     weights = next(path / n for n in FASTER_DECODING_WEIGHTS if (path / n).is_file())
     if weights.suffix == ".safetensors":
@@ -66,11 +56,11 @@ def load_faster_decoding(path: Path):
             ours[f"lm_heads.{h}.weight"] = value
         else:
             ours[f"blocks.{h}.{layer}.{kind}"] = value
-    return _heads_from_state(config, {k: v.float() for k, v in ours.items()}, weights)
+    return config, {k: v.float() for k, v in ours.items()}
 
 
-def load_vllm(path: Path):
-    """vLLM's Medusa speculator format -> MedusaHeads (own LM heads)."""
+def load_vllm(path: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """vLLM's Medusa speculator format -> our heads config and state dict (own LM heads)."""
     raw = json.loads((path / "config.json").read_text())
     state = load_file(path / "model.safetensors")
     config = HeadsConfig(medusa_num_heads=raw["num_heads"], medusa_num_layers=raw["num_hidden_layers"],
@@ -86,7 +76,7 @@ def load_vllm(path: Path):
             ours[f"lm_heads.{m.group(1)}.weight"] = v
         else:
             raise MedusaError(f"unexpected key {k} in {path / 'model.safetensors'}")
-    return _heads_from_state(config, {k: v.float() for k, v in ours.items()}, path)
+    return config, {k: v.float() for k, v in ours.items()}
 
 
 def export_vllm(heads, out: Path, lm_head_weight: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> None:

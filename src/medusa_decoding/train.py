@@ -70,9 +70,7 @@ def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path,
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
-    from .decode import context_length
-
-    max_length = min(cfg.max_length, context_length(model))
+    max_length = min(cfg.max_length, model.config.get_text_config().max_position_embeddings)
     fingerprint = {"model": cfg.model, "data": cfg.data, "max_length": max_length, "dtype": str(model.dtype),
                    "shard_conversations": SHARD_CONVERSATIONS}
     stamp = folder / "fingerprint.json"

@@ -248,3 +248,16 @@ def load_tree_file(path: str | Path) -> tuple[Path_, ...]:
     if not isinstance(paths, list):
         raise MedusaError(f"tree file {path} must hold a list of paths or an object with a 'paths' list")
     return validate_paths(paths)
+
+
+def tree_bias(tree: TreeBuffers, dtype: torch.dtype, device) -> torch.Tensor:
+    """[N, N] additive mask: 0 where a node sees a node (itself, its ancestors), dtype min elsewhere.
+    Additive, not bool: with eager attention a bool 4D mask is silently wrong."""
+    bias = torch.zeros(tree.mask.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~tree.mask.to(device), torch.finfo(dtype).min)
+
+
+def with_chain(tree: TreeBuffers, length: int) -> TreeBuffers:
+    """`tree` with a chain of `length` nodes hung under its root, after its own nodes (the n-gram
+    branch joining any proposer's tree)."""
+    return tree_from_parents(tree.parent, tree.depth, tree.depth_limit, length)

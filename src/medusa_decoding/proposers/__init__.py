@@ -1,0 +1,137 @@
+"""Proposers: what guesses a step's candidate tokens, and the tree they form.
+
+Glossary: T context length, N tree nodes (root first), A verified positions of a step (the root
+and the accepted candidates), D hidden size.
+
+Two levels, as transformers' candidate generators and vLLM's proposers have them:
+  - a `Drafter` holds what every sequence shares (weights, the tree shape, drafting options)
+    and makes one `Proposer` per sequence (row);
+  - a `Proposer` is one row's drafting state, two methods:
+      propose(root, budget) -> Proposal: tokens [N] and their tree (mask, depth, parent), root
+          first; or None for the root alone (nothing worth verifying, or budget 1);
+      observe(hidden [A, D], next_tokens [A], nodes [A] | None): the positions just verified,
+          the token that follows each, and which nodes of the last proposal were accepted.
+The n-gram branch (ngram.py) wraps any proposer, or none: its chain joins the tree.
+
+`REGISTRY` maps a drafter kind (the `drafter` field of a checkpoint's config.json, a
+`DrafterKind` for the built-in ones) to how that checkpoint is loaded and wrapped. It is the
+only place a kind is looked up: a new drafter is one file plus one `register` call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import DrafterKind, MedusaError
+from ..tree import TreeBuffers
+
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class Proposal:
+    """One row's candidates for one verification step."""
+
+    tokens: torch.Tensor  # [N] long, the root first
+    tree: TreeBuffers  # mask [N, N], depth [N], parent [N]; an n-gram chain is its last nodes
+    chain: int = 0  # nodes of the n-gram chain (the last ones)
+    copy_step: bool = False  # the chain alone, after a step that copied (ngram.py)
+    score: torch.Tensor | None = None  # [N] float: a drafter's cumulative log-probability of each branch
+
+
+class Proposer:
+    """One row's drafting state. The default proposes nothing (plain decoding)."""
+
+    depth_limit: int = 0  # the deepest node it may propose
+
+    def start(self, prompt: torch.Tensor) -> None:
+        """prompt [T] long: the row's prompt, before its prefill."""
+
+    def propose(self, root: torch.Tensor, budget: int | None = None) -> Proposal | None:
+        """root [] long (the next token, emitted, not yet verified); budget: nodes of the tree,
+        root included (None: the drafter's own; 1: the root alone) -> a Proposal, or None."""
+        return None
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor, nodes: torch.Tensor | None) -> None:
+        """hidden [A, D]: the base's last hidden states at A newly verified positions; next_tokens
+        [A]: the token after each (the last is the next root); nodes [A]: the accepted nodes of
+        the last proposal (None after the prefill, or when the step verified the root alone)."""
+
+
+class Drafter:
+    """What every row of one method shares; `proposer()` makes a row's state."""
+
+    kind: str = "plain"
+
+    def proposer(self) -> Proposer:
+        return Proposer()
+
+    def tree_sizes(self) -> set[int]:
+        """Node counts of the trees it proposes at its default budget (compiled shapes)."""
+        return {1}
+
+    @property
+    def default_budget(self) -> int:
+        return max(self.tree_sizes())
+
+    def describe(self) -> str:
+        return "plain"
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """How one drafter kind is loaded from a checkpoint folder and wrapped for a base model."""
+
+    # (folder, base model) -> the drafter's weights (an nn.Module with a `kind`)
+    load: Callable
+    # (weights, base model, tree, budget) -> Drafter; tree: a tree file, paths, "dynamic" or None
+    wrap: Callable
+
+
+REGISTRY: dict[str, DrafterSpec] = {}
+
+
+def register(kind: str, spec: DrafterSpec) -> None:
+    """Make `kind` loadable: the value of `drafter` in a checkpoint's config.json."""
+    REGISTRY[str(getattr(kind, "value", kind))] = spec
+
+
+def checkpoint_kind(folder: str | Path) -> str:
+    """The drafter kind a checkpoint folder holds: its config.json's `drafter` field (Medusa
+    heads when absent, as in FasterDecoding and vLLM checkpoints)."""
+    folder = Path(folder).expanduser()
+    try:
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+    except FileNotFoundError:
+        return DrafterKind.MEDUSA.value  # the medusa loader reads the other formats, or says what is missing
+    except (OSError, ValueError) as e:
+        raise MedusaError(f"{folder / CONFIG_NAME} is not valid JSON: {e}") from None
+    kind = raw.get("drafter", DrafterKind.MEDUSA.value) if isinstance(raw, dict) else DrafterKind.MEDUSA.value
+    return kind
+
+
+def spec_for(kind: str) -> DrafterSpec:
+    _builtin()
+    if kind not in REGISTRY:
+        raise MedusaError(f"unknown drafter {kind!r}; known: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[kind]
+
+
+def load(folder: str | Path, base_model):
+    """A checkpoint folder -> its weights, sized and placed for `base_model`."""
+    return spec_for(checkpoint_kind(folder)).load(Path(folder).expanduser(), base_model)
+
+
+def wrap(weights, base_model, tree=None, budget: int | None = None) -> Drafter:
+    """Drafter weights (e.g. MedusaHeads, HydraHeads) -> the Drafter that proposes with them."""
+    return spec_for(weights.kind).wrap(weights, base_model, tree, budget)
+
+
+def _builtin() -> None:
+    """Register the built-in kinds (imported late: each file imports this one)."""
+    from . import eagle, hydra, medusa  # noqa: F401

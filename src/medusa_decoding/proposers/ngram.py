@@ -1,0 +1,102 @@
+"""The n-gram branch (prompt lookup): tokens copied from the context after an earlier occurrence
+of its last n tokens. It wraps any proposer, or none (prompt lookup alone): its chain hangs under
+the root of the other proposer's tree, verified in the same forward.
+
+Glossary: T context length, L chain length, N tree nodes (root first).
+
+Copy steps are its own policy: after a step that accepted `copy_run` or more chain tokens the
+answer is copying its context, so the next step verifies a longer chain alone (no drafting).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..config import NgramConfig
+from ..tree import TreeBuffers, build_tree, with_chain
+from . import Proposal, Proposer
+
+
+def lookup(context: np.ndarray, config: NgramConfig, length: int) -> np.ndarray | None:
+    """context [T] int64 (the root last) -> the <= `length` tokens that followed the latest earlier
+    occurrence of its last n tokens (n from max_ngram down to min_ngram), or None."""
+    for n in range(min(config.max_ngram, len(context) - 1), config.min_ngram - 1, -1):
+        windows = sliding_window_view(context[:-1], n)  # [T-n, n]: every earlier n-gram
+        hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            found = context[start : start + length]
+            return found if len(found) else None
+    return None
+
+
+def padded(tokens: np.ndarray, length: int, device) -> torch.Tensor:
+    """tokens [<= L] -> [L] long: a short chain repeats its last token (a wrong guess is simply
+    rejected; the verification decides)."""
+    out = np.full(length, tokens[-1], dtype=np.int64)
+    out[: len(tokens)] = tokens
+    return torch.from_numpy(out).to(device)
+
+
+class NgramBranch(Proposer):
+    """`inner`'s proposals (None: the root alone) plus the n-gram chain when the context has one."""
+
+    def __init__(self, inner: Proposer | None, config: NgramConfig):
+        self.inner, self.config = inner, config
+        self.depth_limit = max(inner.depth_limit if inner else 0, config.copy_chain)
+        self.context = np.zeros(0, dtype=np.int64)  # [T]: prompt and emitted tokens, the root last
+        self.copying = False  # the last step accepted copy_run chain tokens or more
+        self.last: Proposal | None = None
+        self._chains: dict[int, TreeBuffers] = {}  # L -> the chain alone under the root
+        self._joined: dict[tuple[int, int], tuple[TreeBuffers, TreeBuffers]] = {}  # a static tree + chain
+
+    def start(self, prompt: torch.Tensor) -> None:
+        self.context = np.asarray(prompt.tolist(), dtype=np.int64)
+        if self.inner is not None:
+            self.inner.start(prompt)
+
+    def propose(self, root: torch.Tensor, budget: int | None = None) -> Proposal | None:
+        self.last = None
+        if budget == 1:
+            return None
+        cfg, copying = self.config, self.copying
+        length = cfg.copy_chain if copying else cfg.length
+        chain = lookup(self.context, cfg, length)
+        base = None
+        if not (copying and chain is not None) and self.inner is not None:
+            base = self.inner.propose(root, budget)
+        if chain is None:
+            return base
+        tokens = padded(chain, length, root.device)  # [L]
+        if base is None:  # the chain alone
+            if length not in self._chains:
+                self._chains[length] = build_tree([], length).to(root.device)
+            self.last = Proposal(torch.cat([root.reshape(1), tokens]), self._chains[length], chain=length,
+                                 copy_step=copying)
+        else:
+            self.last = Proposal(torch.cat([base.tokens, tokens]), self._join(base.tree, length), chain=length)
+        return self.last
+
+    def _join(self, tree: TreeBuffers, length: int) -> TreeBuffers:
+        """A static tree comes back every step: its joined tree is built once."""
+        key = (id(tree), length)
+        hit = self._joined.get(key)
+        if hit is not None and hit[0] is tree:
+            return hit[1]
+        joined = with_chain(tree, length)
+        if tree.paths:  # a static tree (per-step trees have no paths)
+            self._joined[key] = (tree, joined)
+        return joined
+
+    def observe(self, hidden, next_tokens, nodes) -> None:
+        cfg, last = self.config, self.last
+        fresh = next_tokens[-1:] if nodes is None else next_tokens  # the prefill's are prompt tokens
+        self.context = np.concatenate([self.context, np.asarray(fresh.tolist(), dtype=np.int64)])
+        self.copying = False
+        if last is not None and nodes is not None and len(nodes) > 1:
+            on_chain = int(nodes[1]) >= last.tree.num_nodes - last.chain
+            self.copying = on_chain and 0 < cfg.copy_run <= len(nodes) - 1
+        if self.inner is not None:
+            self.inner.observe(hidden, next_tokens, nodes)

@@ -1,0 +1,70 @@
+"""What the path-aware drafters (hydra.py, eagle.py) share: a checkpoint's drafting options,
+the base's embedding and shortlisted LM head, and EAGLE-2's rule (drafters.grow_tree) turning
+per-depth guesses into a tree.
+
+Glossary: N tree nodes (root first), W nodes expanded per depth, D hidden, V' shortlist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import drafters
+from ..config import MedusaError
+from ..tree import tree_from_parents
+from . import Drafter, Proposal, Proposer
+
+
+class PathDrafter(Drafter):
+    """A hydra or eagle drafter on its base: weights, shortlist, drafting depth/width/budget."""
+
+    def __init__(self, module, base_model, tree=None, budget: int | None = None):
+        if tree is not None and not (isinstance(tree, str) and tree == "dynamic"):
+            raise MedusaError(f"a {module.kind} drafter drafts its own tree every step; give no tree file")
+        module.check_fits(base_model)
+        weight = base_model.get_output_embeddings().weight
+        self.module = module.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.kind = module.kind
+        cfg = module.config
+        self.embed = base_model.get_input_embeddings()
+        self.short = module.shortlist(base_model)
+        self.width, self.depth = cfg.draft_width, cfg.draft_depth
+        self.budget = budget or cfg.draft_budget
+        if budget is not None and budget < 2:
+            raise MedusaError(f"a drafted tree needs a budget of at least 2 nodes, got {budget}")
+
+    def tree_sizes(self) -> set[int]:
+        return {self.budget}
+
+    def describe(self) -> str:
+        return f"{self.kind} (drafted {self.budget}-node tree)"
+
+
+class PathProposer(Proposer):
+    """A row's drafting: `_expander(root)` gives the depth-1 log-probs and the expand function
+    of drafters.grow_tree."""
+
+    def __init__(self, drafter: PathDrafter):
+        self.drafter = drafter
+        self.depth_limit = drafter.depth
+
+    def _expander(self, root: torch.Tensor):
+        raise NotImplementedError
+
+    def propose(self, root: torch.Tensor, budget: int | None = None) -> Proposal | None:
+        d = self.drafter
+        budget = d.budget if budget is None else budget
+        if budget < 2:
+            return None
+        depth = min(d.depth, budget - 1)
+        first, expand = self._expander(root)
+        index, parent, node_depth, score = drafters.grow_tree(first, expand, d.width, depth, budget)
+        tokens = d.short.vocab[index]
+        tokens[0] = root
+        return Proposal(tokens, tree_from_parents(parent, node_depth, depth), score=score)
+
+
+def load(folder: Path, base_model):
+    return drafters.from_pretrained(folder, base_model)

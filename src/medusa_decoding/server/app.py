@@ -1,0 +1,280 @@
+"""The app: FastAPI routes for /health, /v1/models, /v1/completions and /v1/chat/completions
+(`stream: true` gives server-sent events ending with `data: [DONE]`), on top of the scheduler.
+
+    app = create_app(MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped"))
+    serve(model, host="127.0.0.1", port=8000)        # or: medusa serve
+
+Every method `medusa generate` runs is served, the default included: each row has its own
+proposer state. Speculation adapts to load (engine.AdaptiveSpeculation): each step's budget is
+the one measured fastest at the current number of active rows, plain decoding included. Every
+response carries an extension field `medusa`: steps and mean accepted length (bonus included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import GenerationConfig, MedusaError, SamplingConfig
+from ..engine import AdaptiveSpeculation, GenerationStats, MedusaModel, Request
+from ..text import TextDecoder
+from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, FIELDS, APIError, ChatBody, CompletionBody, _Body, content_text,
+                       shutting_down)
+from .scheduler import Job, Scheduler, deltas, watch_disconnect
+
+log = logging.getLogger("medusa_decoding.server")
+
+
+@dataclass
+class _Prepared:
+    """A validated request, ready to decode."""
+
+    job: Job
+    stop: list[str]
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | None = None,
+               use_medusa: bool = True, adaptive: bool = True) -> FastAPI:
+    """The FastAPI app serving `model`'s method (use_medusa False: plain batched decoding).
+    max_batch_size: sequences decoded together (more wait in the queue); adaptive: each step's
+    budget chosen from measured throughput at the current number of rows (False: always the
+    method's own budget)."""
+    name = model_name or model.name or "medusa"
+    method = model.method(use_medusa)
+    levels = sorted({1, max(method.default_budget // 2, 1), method.default_budget})
+    policy = AdaptiveSpeculation(levels) if adaptive and method.speculative else None
+    decoder = model.decoder(max_batch_size, use_medusa, policy)
+    scheduler = Scheduler(decoder)
+    ctx = decoder.ctx
+    log.info("serving %s: %s, up to %d sequences at once%s", name, method.describe(), decoder.max_batch_size,
+             ", speculation adapted to load" if policy else "")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(scheduler.run())
+        try:
+            yield
+        finally:
+            scheduler.close()
+            try:  # the step in progress ends, then run() returns
+                await asyncio.wait_for(task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                task.cancel()
+
+    app = FastAPI(title="medusa-decoding", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.model_name = name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: HTTPRequest, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: HTTPRequest, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            error = APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
+        elif tuple(err.get("loc", ())) == ("body",):
+            error = APIError(400, "the request body must be a JSON object with the request's fields")
+        else:
+            # the field's path, e.g. messages.0.role; a union adds its members' names: dropped
+            param = ".".join(str(p) for p in err["loc"][1:] if isinstance(p, int) or p in FIELDS) or None
+            error = APIError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param, code="invalid_value")
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "active": scheduler.active, "queued": scheduler.queue.qsize(),
+                "max_batch_size": max_batch_size}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
+
+    def prepare(body: _Body, input_ids: torch.Tensor, max_tokens: int | None, default_max: int | None) -> _Prepared:
+        """Validate the shared parameters and build the job."""
+        if body.n not in (None, 1):
+            raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+        prompt_tokens = input_ids.shape[-1]
+        if prompt_tokens >= ctx:
+            raise APIError(400, f"the prompt has {prompt_tokens} tokens; the model's context is {ctx} tokens, "
+                                "leave room to generate", param="messages" if isinstance(body, ChatBody) else "prompt",
+                           code="context_length_exceeded")
+        room = ctx - prompt_tokens
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif not 1 <= max_tokens <= room:
+            raise APIError(400, f"max_tokens must be between 1 and {room} (context {ctx} minus the prompt's "
+                                f"{prompt_tokens} tokens), got {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded" if max_tokens > room else "invalid_value")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0 <= temperature <= 2:
+            raise APIError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            sampling = SamplingConfig(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                                      top_k=body.top_k or 0, seed=body.seed)
+            generation = GenerationConfig(max_new_tokens=max_tokens, stop=stop)
+        except MedusaError as e:
+            param = next((p for p in ("top_p", "top_k", "stop") if p in str(e)), None)
+            raise APIError(400, str(e), param=param) from None
+        request = Request(input_ids[0].cpu(), generation, sampling, id=uuid.uuid4().hex)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage)
+
+    def check_model(body: _Body) -> None:
+        if body.model != name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(prompt, chat: bool, param: str) -> torch.Tensor:
+        try:
+            return model.encode(prompt, chat=chat)  # [1, T]
+        except MedusaError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: HTTPRequest):
+        check_model(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if not all(0 <= t < model.base.config.get_text_config().vocab_size for t in prompt):
+                raise APIError(400, "prompt token ids must be in the vocabulary", param="prompt")
+            input_ids = torch.tensor([prompt])
+        else:
+            if isinstance(prompt, list):
+                if len(prompt) != 1:
+                    raise APIError(400, f"prompt must be one string (one choice per request), got {len(prompt)}",
+                                   param="prompt")
+                prompt = prompt[0]
+            input_ids = encode(prompt, False, "prompt")
+        prepared = prepare(body, input_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await respond(prepared, request, "text_completion", "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: HTTPRequest):
+        check_model(body)
+        if not body.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
+        input_ids = encode(messages, True, "messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prepared = prepare(body, input_ids, max_tokens, None)
+        return await respond(prepared, request, "chat.completion", "chatcmpl")
+
+    async def respond(prepared: _Prepared, request: HTTPRequest, kind: str, prefix: str):
+        job = prepared.job
+        scheduler.submit(job)
+        # the watcher also covers a stream whose client leaves before its generator starts
+        job.watcher = asyncio.create_task(watch_disconnect(request, scheduler, job))
+        meta = {"id": f"{prefix}-{job.id}", "created": int(time.time()), "model": name}
+        if prepared.stream:
+            return StreamingResponse(stream_events(prepared, meta, kind), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            text = TextDecoder(model.tokenizer, prepared.stop)
+            parts = [delta async for delta in deltas(job, text)]
+        finally:
+            scheduler.cancel(job)  # a no-op once it finished; frees the slot otherwise
+        if job.finish_reason is None:  # cancelled from outside: shutdown or a gone client
+            raise shutting_down()
+        result = text_result(prepared, text, "".join(parts))
+        choice = ({"index": 0, "text": result["text"], "logprobs": None, "finish_reason": result["finish_reason"]}
+                  if kind == "text_completion" else
+                  {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
+                   "finish_reason": result["finish_reason"]})
+        return {**meta, "object": kind, "choices": [choice], "usage": result["usage"], "medusa": result["medusa"]}
+
+    def text_result(prepared: _Prepared, text: TextDecoder, full: str) -> dict:
+        job = prepared.job
+        stats: GenerationStats = job.stats
+        completion = len(text.token_ids)
+        return {
+            "text": full,
+            "finish_reason": "stop" if text.stopped else job.finish_reason,
+            "usage": {"prompt_tokens": prepared.prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prepared.prompt_tokens + completion},
+            "medusa": {"steps": stats.steps, "mean_accepted_length": round(stats.mean_accepted_length, 4),
+                       "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
+                       "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "method": method.describe()},
+        }
+
+    async def stream_events(prepared: _Prepared, meta: dict, kind: str) -> AsyncIterator[str]:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+
+        def event(choice: dict | None, **extra) -> str:
+            return f"data: {json.dumps({**meta, 'object': chunk_kind, 'choices': [choice] if choice else [], **extra})}\n\n"
+
+        def choice(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if kind == "text_completion":
+                return {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
+            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+
+        text = TextDecoder(model.tokenizer, prepared.stop)
+        try:
+            if kind == "chat.completion":
+                yield event(choice(None, role=True))
+            try:
+                async for delta in deltas(prepared.job, text):
+                    yield event(choice(delta))
+            except APIError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            if prepared.job.finish_reason is None:  # cancelled by the server: say so, no [DONE]
+                yield f"data: {json.dumps(shutting_down().body())}\n\n"
+                return
+            result = text_result(prepared, text, text.text)
+            yield event(choice(None, finish=result["finish_reason"]), medusa=result["medusa"])
+            if prepared.include_usage:
+                yield event(None, usage=result["usage"])
+            yield "data: [DONE]\n\n"
+        finally:  # also on a client disconnect, which cancels this generator
+            scheduler.cancel(prepared.job)
+
+    return app
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                graceful_timeout_s: float = 5.0):
+    """A uvicorn server for an app of create_app. On shutdown (Ctrl-C, SIGTERM, should_exit) it
+    first cancels every queued and running request: each gets a clean end (a 503 error body, or
+    an error event that closes its stream), then uvicorn closes the connections."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.scheduler.close()
+            await super().shutdown(sockets=sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_timeout_s)
+    return Server(config)
+
+
+def serve(model: MedusaModel, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 8,
+          log_level: str = "info", **app_kwargs) -> None:
+    """Serve `model` with uvicorn until interrupted."""
+    app = create_app(model, max_batch_size=max_batch_size, **app_kwargs)
+    make_server(app, host, port, log_level).run()
