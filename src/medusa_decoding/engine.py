@@ -158,6 +158,13 @@ class Method:
             return self.drafter.default_budget
         return 2 if self.ngram is not None else 1
 
+    def adaptive(self) -> AdaptiveSpeculation | None:
+        """A load policy over its budgets: plain, half its own, its own (None when plain)."""
+        if not self.speculative:
+            return None
+        budget = self.default_budget
+        return AdaptiveSpeculation({1, max(budget // 2, 1), budget})
+
     def describe(self) -> str:
         parts = [self.drafter.describe()] if self.drafter is not None else []
         parts += [f"{self.ngram.length}-token n-gram branch"] if self.ngram else []
@@ -177,11 +184,12 @@ class FixedSpeculation:
 class AdaptiveSpeculation:
     """The budget of each step chosen from measured throughput at the current number of rows.
 
-    For each row count B it keeps a running mean of tokens per second of step time (drafting,
-    verification and acceptance) at each budget of `levels` (1 is plain decoding): each level is
-    measured `warm` times first, then the fastest is used and every `explore`-th step measures
-    another one again. So at every batch size speculation runs only where, measured on this
-    machine, it emits more tokens per second than plain batched decoding.
+    For each bucket of row counts (1, 2, 3-4, 5-8, ...) it keeps a running mean of tokens per
+    second of step time (drafting, verification and acceptance) at each budget of `levels` (1 is
+    plain decoding): each level is measured `warm` times first, then the fastest is used and
+    every `explore`-th step measures another one again. So at every batch size speculation runs
+    only where, measured on this machine, it emits more tokens per second than plain batched
+    decoding. One policy lives as long as its server (or bench): what it measured carries over.
     """
 
     def __init__(self, levels: Iterable[int], warm: int = 3, explore: int = 16, alpha: float = 0.25):
@@ -191,7 +199,12 @@ class AdaptiveSpeculation:
         self.count: dict[tuple[int, int], int] = {}
         self.steps: dict[int, int] = {}
 
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...: the largest row count of the bucket
+
     def budget(self, rows: int) -> int:
+        rows = self.bucket(rows)
         step = self.steps[rows] = self.steps.get(rows, 0) + 1
         for level in self.levels:
             if self.count.get((rows, level), 0) < self.warm:
@@ -203,13 +216,13 @@ class AdaptiveSpeculation:
         return best
 
     def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
-        key = (rows, budget)
+        key = (self.bucket(rows), budget)
         rate = tokens / max(seconds, 1e-9)
         n = self.count[key] = self.count.get(key, 0) + 1
         self.rate[key] = rate if n == 1 else (1 - self.alpha) * self.rate[key] + self.alpha * rate
 
     def table(self) -> dict:
-        """{rows: {budget: tokens/s}} measured so far."""
+        """{row bucket: {budget: tokens/s}} measured so far."""
         out: dict[int, dict[int, float]] = {}
         for (rows, level), rate in sorted(self.rate.items()):
             out.setdefault(rows, {})[level] = round(rate, 1)

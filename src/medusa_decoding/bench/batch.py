@@ -68,17 +68,14 @@ def batch_inputs(model, prompts: list[Prompt]) -> list[torch.Tensor]:
 
 
 def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int, max_new_tokens: int,
-                repeat: int = 0) -> BatchRun:
+                repeat: int = 0, policy=None) -> BatchRun:
     """Greedy-decode every input with a decoder kept full: all are submitted at once, a sequence
-    joins as soon as a place frees up. method "plain" or "default" (the model's method, its budget
-    adapted to the number of active rows as `medusa serve` does)."""
-    from ..engine import AdaptiveSpeculation, Request
+    joins as soon as a place frees up. method "plain" or "default" (the model's method; policy:
+    its load policy, e.g. one engine.AdaptiveSpeculation kept across runs as a server keeps it;
+    None: the method's own budget at every step)."""
+    from ..engine import Request
 
     speculative = method == "default"
-    policy = None
-    if speculative:
-        budget = model.method().default_budget
-        policy = AdaptiveSpeculation({1, max(budget // 2, 1), budget})
     decoder = model.decoder(batch_size, use_medusa=speculative, policy=policy)
     generation, greedy = GenerationConfig(max_new_tokens=max_new_tokens), SamplingConfig()
     pending = list(enumerate(inputs))
@@ -164,18 +161,20 @@ def run_batch_bench(cfg: BenchConfig, model, default, prompts: list[Prompt]) -> 
     if max(sizes) > len(inputs):
         log.warning("note: only %d prompts: batches above %d are never full", len(inputs), len(inputs))
     warm = min(max(sizes), len(inputs))
+    policy = default.method().adaptive()  # one for the whole bench, as `medusa serve` keeps one
     for method in BATCH_METHODS:  # one-off costs (allocations, kernels) at the largest batch
-        run_batched(default, method, inputs[:warm], warm, min(cfg.max_new_tokens, WARMUP_TOKENS))
+        run_batched(default, method, inputs[:warm], warm, min(cfg.max_new_tokens, WARMUP_TOKENS), policy=policy)
     runs = []
     with tqdm(total=cfg.repeats * len(sizes) * len(BATCH_METHODS), desc="batch", unit="run", file=sys.stderr) as bar:
         for repeat in range(cfg.repeats):
             for size in sizes:
                 for method in BATCH_METHODS:  # interleaved: drift hits both methods alike
-                    runs.append(run_batched(default, method, inputs, size, cfg.max_new_tokens, repeat))
+                    runs.append(run_batched(default, method, inputs, size, cfg.max_new_tokens, repeat, policy))
                     bar.update()
     rows = summarize_batch(runs, [p.id for p in prompts])
     return {"batch_sizes": sizes, "prompts": len(inputs), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
             "method": default.method().describe(), "dtype": str(model.base.dtype).removeprefix("torch."), "rows": rows,
+            "policy": policy.table() if policy else None,
             "identity": {"compared": sum(r["identity"]["compared"] for r in rows),
                          "differ": sum(r["identity"]["differ"] for r in rows)},
             "runs": [{"method": r.method, "batch_size": r.batch_size, "repeat": r.repeat, "wall_s": r.wall_s,

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, MedusaError, SamplingConfig
-from ..engine import AdaptiveSpeculation, GenerationStats, MedusaModel, Request
+from ..engine import GenerationStats, MedusaModel, Request
 from ..text import TextDecoder
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, FIELDS, APIError, ChatBody, CompletionBody, _Body, content_text,
                        shutting_down)
@@ -56,8 +56,7 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
     method's own budget)."""
     name = model_name or model.name or "medusa"
     method = model.method(use_medusa)
-    levels = sorted({1, max(method.default_budget // 2, 1), method.default_budget})
-    policy = AdaptiveSpeculation(levels) if adaptive and method.speculative else None
+    policy = method.adaptive() if adaptive else None
     decoder = model.decoder(max_batch_size, use_medusa, policy)
     scheduler = Scheduler(decoder)
     ctx = decoder.ctx
