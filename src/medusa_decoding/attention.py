@@ -60,13 +60,16 @@ def register_attention() -> str:
     return ATTENTION_NAME
 
 
-def fits_short_query_attention(config) -> bool:
-    """Full attention in every layer, no logit soft-capping, no attention sinks: what the kernel
-    and the preallocated cache assume."""
+def full_attention(config) -> bool:
+    """Every layer attends to the whole sequence: what the preallocated (slot) cache assumes."""
     text = config.get_text_config()
     layer_types = getattr(text, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return False
-    if not layer_types and getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        return False
-    return not getattr(text, "attn_logit_softcapping", None)
+    if layer_types:
+        return all(t == "full_attention" for t in layer_types)
+    return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+
+
+def fits_short_query_attention(config) -> bool:
+    """Full attention in every layer, no logit soft-capping, no attention sinks: what the kernel
+    assumes."""
+    return full_attention(config) and not getattr(config.get_text_config(), "attn_logit_softcapping", None)

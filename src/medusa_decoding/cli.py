@@ -298,7 +298,7 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (default: plain,medusa,hf,hf-pld; medusa only with heads)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
@@ -312,7 +312,7 @@ def bench(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: bench_out/<timestamp>)."),
-    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs medusa under continuous batching at each batch size (first turns, greedy)."),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs default (load-adaptive budgets, as medusa serve runs it) under continuous batching at each batch size (first turns, greedy)."),
     batch_only: bool = typer.Option(False, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
     compile: bool = CompileOpt,
 ) -> None:

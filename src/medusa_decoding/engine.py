@@ -494,8 +494,7 @@ class MedusaModel:
     @property
     def heads(self):
         """The drafter's weights (None for plain decoding)."""
-        d = self.drafter
-        return None if d is None else getattr(d, "heads", None) or getattr(d, "module", None)
+        return None if self.drafter is None else self.drafter.weights
 
     @property
     def tree(self):

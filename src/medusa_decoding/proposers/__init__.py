@@ -67,6 +67,7 @@ class Drafter:
     """What every row of one method shares; `proposer()` makes a row's state."""
 
     kind: str = "plain"
+    weights = None  # the nn.Module it drafts with (MedusaHeads, HydraHeads, ...), if any
 
     def proposer(self) -> Proposer:
         return Proposer()

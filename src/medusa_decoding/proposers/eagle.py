@@ -24,7 +24,7 @@ class EagleProposer(PathProposer):
 
     def __init__(self, drafter: EagleDrafter):
         super().__init__(drafter)
-        self.cache = drafter.module.new_cache()
+        self.cache = drafter.weights.new_cache()
         self.committed = 0  # drafter positions in its cache
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # features [A, D], next tokens [A]
 
@@ -46,7 +46,7 @@ class EagleProposer(PathProposer):
         mask = torch.zeros(n, start + n, dtype=dtype, device=hidden.device)
         mask[:, start:] = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
         pos = torch.arange(start, start + n, device=hidden.device)[None]
-        out = d.module(hidden[None].to(dtype), d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
+        out = d.weights(hidden[None].to(dtype), d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
         self.committed, self.pending = start + n, None
         return out[0, -1]
 
@@ -76,7 +76,7 @@ class EagleProposer(PathProposer):
             bias[:, self.committed:].masked_fill_(~rows[:, : n + w], torch.finfo(dtype).min)
             pos = torch.full((1, w), root_pos + j, dtype=torch.long, device=device)
             x_tok = d.short.vocab[tokens[frontier]]  # [W]
-            out = d.module(feats[parent_slot + 1][None], d.embed(x_tok)[None], pos, bias[None, None], self.cache)[0]
+            out = d.weights(feats[parent_slot + 1][None], d.embed(x_tok)[None], pos, bias[None, None], self.cache)[0]
             feats[slots + 1] = out  # [W, D]
             return d.short.log_probs(out)
 

@@ -50,7 +50,7 @@ class MedusaDrafter(Drafter):
         heads.check_fits(base_model)
         self.lm_head = base_model.get_output_embeddings()
         weight = self.lm_head.weight
-        self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.weights = heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
         source = getattr(heads, "source", None)  # the checkpoint folder, when loaded from one
         if tree is None and source is not None and (Path(source) / TREE_NAME).is_file():
             tree = Path(source) / TREE_NAME
@@ -105,11 +105,11 @@ class MedusaProposer(Proposer):
         tree = d.tree_for(budget)
         if d.dynamic:
             u = tree.universe
-            logits = d.heads(self.last_hidden, d.lm_head, num_heads=u.max_depth)  # [K, V]
+            logits = d.weights(self.last_hidden, d.lm_head, num_heads=u.max_depth)  # [K, V]
             log_probs, topk = torch.log_softmax(logits.float(), -1).topk(u.topk, dim=-1)  # [K, width] each
             tree = select_tree(tree, log_probs[: u.max_depth], False)
         elif tree.max_depth:
-            logits = d.heads(self.last_hidden, d.lm_head, num_heads=tree.max_depth)  # [K, V]
+            logits = d.weights(self.last_hidden, d.lm_head, num_heads=tree.max_depth)  # [K, V]
             topk = logits.topk(tree.topk, dim=-1).indices  # [K, topk]
         else:
             return None

@@ -25,7 +25,7 @@ class PathDrafter(Drafter):
             raise MedusaError(f"a {module.kind} drafter drafts its own tree every step; give no tree file")
         module.check_fits(base_model)
         weight = base_model.get_output_embeddings().weight
-        self.module = module.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.weights = module.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
         self.kind = module.kind
         cfg = module.config
         self.embed = base_model.get_input_embeddings()

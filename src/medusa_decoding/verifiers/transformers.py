@@ -16,19 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import full_attention
 from ..cache import SlotCache, keep_path, new_cache
 from ..config import MedusaError
 from ..tree import TreeBuffers
 from . import Row, Verifier
-
-
-def full_attention(config) -> bool:
-    """Every layer attends to the whole sequence: what the slot cache assumes."""
-    text = config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return False
-    return layer_types or not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
