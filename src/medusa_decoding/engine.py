@@ -18,6 +18,7 @@ plain decoding of that row alone, whatever the drafts.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -113,6 +114,16 @@ class Request:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     id: Hashable | None = None  # None: the decoder numbers it
     stats: GenerationStats | None = None  # filled in as it decodes (None: a new one)
+    speculative: bool = True  # False: this row decodes plainly (the root alone), whatever the method
+
+
+class Source(str, enum.Enum):
+    """Where an emitted token came from (its provenance)."""
+
+    PREFILL = "prefill"  # the first token, from the prompt's forward
+    BONUS = "bonus"  # the base model's own token that ends a step
+    DRAFT = "draft"  # a drafter's candidate that the base model accepted
+    NGRAM = "ngram"  # an n-gram candidate (copied from the context) that the base model accepted
 
 
 @dataclass
@@ -124,6 +135,9 @@ class RowOutput:
     finished: bool
     finish_reason: str | None  # "stop" (EOS) or "length" (max_new_tokens or context), once finished
     stats: GenerationStats
+    step: int = 0  # the step that emitted them (0: the prefill)
+    depths: list[int] = field(default_factory=list)  # per token: its depth in the tree (0: prefill or bonus)
+    sources: list[Source] = field(default_factory=list)  # per token
 
 
 @dataclass
@@ -304,7 +318,7 @@ class Decoder:
             self.seqs.append(seq)
         else:
             self.verifier.release(row)
-        return RowOutput(request.id, [token], reason is not None, reason, stats)
+        return RowOutput(request.id, [token], reason is not None, reason, stats, 0, [0], [Source.PREFILL])
 
     @torch.inference_mode()
     def step(self) -> list[RowOutput]:
@@ -315,7 +329,8 @@ class Decoder:
         seqs, rows = self.seqs, [s.row for s in self.seqs]
         budget = self.policy.budget(len(seqs)) if self.method.speculative else 1
         # 1. propose: each row's proposer drafts its tree (the root alone near the context end)
-        proposals = [s.proposer.propose(s.root, budget) if s.row.length + s.proposer.depth_limit + 2 <= self.ctx
+        proposals = [s.proposer.propose(s.root, budget)
+                     if s.request.speculative and s.row.length + s.proposer.depth_limit + 2 <= self.ctx
                      else None for s in seqs]
         root_only = self._root(seqs[0].root.device)
         tokens = [p.tokens if p is not None else s.root.reshape(1) for s, p in zip(seqs, proposals)]  # [N_b] each
@@ -332,7 +347,8 @@ class Decoder:
             s.proposer.observe(hidden[b, r.nodes], emitted[b], r.nodes)
         flat = torch.cat(emitted).tolist()  # one host read: every row's accepted candidates and bonus
         step_s = time.perf_counter() - t0
-        self.policy.observe(len(seqs), budget, len(flat), step_s)
+        if all(s.request.speculative for s in seqs):  # a plain row would skew what the policy measures
+            self.policy.observe(len(seqs), budget, len(flat), step_s)
 
         outputs, keep = [], []
         for s, p, r, e in zip(seqs, proposals, results, emitted):
@@ -341,16 +357,20 @@ class Decoder:
             st = s.stats
             st.record(len(new))
             st.nodes += p.tokens.numel() if p is not None else 1
+            ngram = p is not None and len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain
             if p is not None and p.chain:
                 st.ngram_steps += 1
                 st.copy_steps += p.copy_step
-                if len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain:
-                    st.ngram_accepted += len(new) - 1
+                st.ngram_accepted += (len(new) - 1) * ngram
+            draft = Source.NGRAM if ngram else Source.DRAFT
+            depths = list(range(1, len(new))) + [0]
+            sources = [draft] * (len(new) - 1) + [Source.BONUS]
             new = self._cut(s, new)
             st.new_tokens += len(new)
             st.decode_s += step_s / len(seqs)  # a step's time, shared by its rows
             reason = self._finish_reason(s, new)
-            outputs.append(RowOutput(s.request.id, new, reason is not None, reason, st))
+            outputs.append(RowOutput(s.request.id, new, reason is not None, reason, st, st.steps,
+                                     depths[: len(new)], sources[: len(new)]))
             if reason is None:
                 keep.append(s)
             else:

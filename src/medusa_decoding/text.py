@@ -2,7 +2,8 @@
 stop strings, incomplete UTF-8 characters.
 
 Text is held back while it may be the start of a stop string or ends in an incomplete UTF-8
-character, and nothing at or after a stop string is ever sent.
+character, and nothing at or after a stop string is ever sent. `pieces` splits what was sent
+into each token's share (the page of `medusa serve` colours tokens by their provenance).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ class TextDecoder:
         self.text = ""  # the text so far, cut before the first stop string
         self.sent = 0
         self.stopped = False  # a stop string was found
+        self.ends: list[int] = []  # per kept token: the length of the text once it was decoded
+        self.described = 0  # tokens already handed out by `pieces`
 
     def push(self, tokens: list[int]) -> str:
         """Add a chunk -> the text that is safe to send now."""
@@ -26,7 +29,9 @@ class TextDecoder:
             text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
             self.text = text[: min(cuts)] if cuts else text
-            if cuts:
+            self.ends.append(max(len(self.text.rstrip("\ufffd")), self.ends[-1] if self.ends else 0))
+            if cuts:  # no token's text reaches past the cut
+                self.ends = [min(e, len(self.text)) for e in self.ends]
                 self.stopped = True
                 return self.flush()
         safe = len(self.text) - self.hold
@@ -35,8 +40,22 @@ class TextDecoder:
         return self._send(safe)
 
     def flush(self) -> str:
-        """The rest of the text."""
+        """The rest of the text (an incomplete character at the end stays U+FFFD, the last token's)."""
+        if self.ends:
+            self.ends[-1] = len(self.text)
         return self._send(len(self.text))
+
+    def pieces(self) -> list[tuple[int, str]]:
+        """(token index, its text) for each token whose text was wholly sent since the last call.
+        All pieces so far join up to the text sent, up to its last whole token (a token with no
+        text of its own, e.g. EOS or the first byte of a character, gets "")."""
+        out = []
+        while self.described < len(self.ends) and self.ends[self.described] <= self.sent:
+            i = self.described
+            start = self.ends[i - 1] if i else 0
+            out.append((i, self.text[start : self.ends[i]]))
+            self.described += 1
+        return out
 
     def _send(self, end: int) -> str:
         if end <= self.sent:

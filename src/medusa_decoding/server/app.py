@@ -1,5 +1,6 @@
 """The app: FastAPI routes for /health, /v1/models, /v1/completions and /v1/chat/completions
-(`stream: true` gives server-sent events ending with `data: [DONE]`), on top of the scheduler.
+(`stream: true` gives server-sent events ending with `data: [DONE]`), on top of the scheduler,
+and a page on `/` (page.html: chat, every token coloured by how it was produced).
 
     app = create_app(MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped"))
     serve(model, host="127.0.0.1", port=8000)        # or: medusa serve
@@ -7,7 +8,9 @@
 Every method `medusa generate` runs is served, the default included: each row has its own
 proposer state. Speculation adapts to load (engine.AdaptiveSpeculation): each step's budget is
 the one measured fastest at the current number of active rows, plain decoding included. Every
-response carries an extension field `medusa`: steps and mean accepted length (bonus included).
+response carries an extension field `medusa`: steps and mean accepted length (bonus included);
+each streamed chunk's `medusa.tokens` gives every token's text, step, depth and source (see
+docs/server.md). A request with `"speculative": false` is decoded plainly.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig, MedusaError, SamplingConfig
@@ -101,10 +105,16 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
     async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code)
 
+    page = (resources.files(__package__) / "page.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return page
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "active": scheduler.active, "queued": scheduler.queue.qsize(),
-                "max_batch_size": max_batch_size}
+        return {"status": "ok", "model": name, "method": method.describe(), "active": scheduler.active,
+                "queued": scheduler.queue.qsize(), "max_batch_size": max_batch_size}
 
     @app.get("/v1/models")
     async def models():
@@ -137,7 +147,8 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
         except MedusaError as e:
             param = next((p for p in ("top_p", "top_k", "stop") if p in str(e)), None)
             raise APIError(400, str(e), param=param) from None
-        request = Request(input_ids[0].cpu(), generation, sampling, id=uuid.uuid4().hex)
+        request = Request(input_ids[0].cpu(), generation, sampling, id=uuid.uuid4().hex,
+                          speculative=body.speculative)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage)
 
@@ -215,7 +226,10 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
                       "total_tokens": prepared.prompt_tokens + completion},
             "medusa": {"steps": stats.steps, "mean_accepted_length": round(stats.mean_accepted_length, 4),
                        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
-                       "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "method": method.describe()},
+                       "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "ngram_accepted": stats.ngram_accepted,
+                       "method": method.describe() if job.request.speculative else "plain",
+                       "tokens_per_s": round(stats.tokens_per_s, 2), "prefill_s": round(stats.prefill_s, 4),
+                       "decode_s": round(stats.decode_s, 4)},
         }
 
     async def stream_events(prepared: _Prepared, meta: dict, kind: str) -> AsyncIterator[str]:
@@ -230,13 +244,19 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
             d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
             return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
 
+        def provenance() -> list[dict]:
+            """The tokens whose text was sent since the last call: text, step, depth, source."""
+            steps = prepared.job.provenance
+            return [{"text": piece, "step": steps[i][0], "depth": steps[i][1], "source": steps[i][2].value}
+                    for i, piece in text.pieces()]
+
         text = TextDecoder(model.tokenizer, prepared.stop)
         try:
             if kind == "chat.completion":
                 yield event(choice(None, role=True))
             try:
                 async for delta in deltas(prepared.job, text):
-                    yield event(choice(delta))
+                    yield event(choice(delta), medusa={"tokens": provenance()})
             except APIError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
                 yield "data: [DONE]\n\n"
@@ -245,7 +265,7 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
                 yield f"data: {json.dumps(shutting_down().body())}\n\n"
                 return
             result = text_result(prepared, text, text.text)
-            yield event(choice(None, finish=result["finish_reason"]), medusa=result["medusa"])
+            yield event(choice(None, finish=result["finish_reason"]), medusa=result["medusa"] | {"tokens": provenance()})
             if prepared.include_usage:
                 yield event(None, usage=result["usage"])
             yield "data: [DONE]\n\n"

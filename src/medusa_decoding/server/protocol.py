@@ -43,6 +43,7 @@ class _Body(BaseModel):
     n: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    speculative: bool = True  # extension: False decodes this request plainly (a side-by-side baseline)
 
 
 class CompletionBody(_Body):

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
 from ..config import MedusaError
-from ..engine import Decoder, GenerationStats, Request, RowOutput
+from ..engine import Decoder, GenerationStats, Request, RowOutput, Source
 from ..text import TextDecoder
 from .protocol import APIError, shutting_down
 
@@ -35,6 +35,7 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)  # the sequence's, once it ran
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", once it ended
     watcher: asyncio.Task | None = None  # cancels the job when the client goes away
+    provenance: list[tuple[int, int, Source]] = field(default_factory=list)  # per token: step, depth, source
 
     @property
     def id(self) -> Hashable:
@@ -151,6 +152,7 @@ async def deltas(job: Job, text: TextDecoder) -> AsyncIterator[str]:
         if isinstance(item, BaseException):
             raise item
         job.stats = item.stats
+        job.provenance += zip([item.step] * len(item.tokens), item.depths, item.sources)
         delta = text.push(item.tokens)
         if text.stopped:
             job.finish_reason = "stop"
