@@ -21,6 +21,7 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Built-in alias, Hu
 HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle drafter folder; default: the drafter shipped for the built-in model (with --tree: its Medusa heads).")
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on CPU and recent GPUs).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
+ExactOpt = typer.Option(False, "--exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch (fp32 is exact either way).")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile the verification step (about 30 s per new shape on this CPU, then ~1.6x faster steps); pays off over many generations.")
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
@@ -34,7 +35,7 @@ def fail(message: str) -> None:
 
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False):
+               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False, exact: bool = False):
     """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
     the built-in model (its Medusa heads when a --tree is given)."""
     from .engine import MedusaModel, shipped_heads
@@ -52,7 +53,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
     return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
                                        ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
-                                       compile=compile)
+                                       compile=compile, attn_implementation="exact" if exact else "auto")
 
 
 @app.callback()
@@ -80,6 +81,7 @@ def generate(
     no_medusa: bool = NoMedusaOpt,
     ngram: int = NgramOpt,
     compile: bool = CompileOpt,
+    exact: bool = ExactOpt,
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
     if not prompt.strip():
@@ -87,7 +89,7 @@ def generate(
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile)
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, use_medusa=not no_medusa,
                       **sampling)
     for delta in stream:
@@ -134,6 +136,7 @@ def serve(
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
     compile: bool = CompileOpt,
+    exact: bool = ExactOpt,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching; a page on / shows each answer's tokens coloured by how they were produced."""
     if max_batch_size < 1:
@@ -144,7 +147,7 @@ def serve(
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile)
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 

@@ -570,6 +570,8 @@ class MedusaModel:
         an NgramConfig) adds a prompt-lookup branch to every tree. compile: torch.compile the
         verification step (static shapes, compiled on first use or by `warmup`).
         """
+        if compile and attn_implementation == "exact":
+            raise MedusaError("exact mode runs eager: pass exact or compile, not both")
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if isinstance(heads, str) and heads == "shipped":
             heads = shipped_heads(base)

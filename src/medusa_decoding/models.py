@@ -131,8 +131,9 @@ def load_base(
 ):
     """Load a base causal LM and its tokenizer, frozen, in eval mode.
 
-    attn_implementation: any transformers name, or "auto": the short-query kernel of attention.py
-    ("medusa") where the model fits it (decoding), else sdpa.
+    attn_implementation: any transformers name, "auto": the short-query kernel of attention.py
+    ("medusa") where the model fits it (decoding), else sdpa; or "exact": its exact mode (every
+    decoding forward row-invariant: speculative output equals plain output bit for bit in bf16).
     Returns (model, tokenizer, folder) where folder is the local HF folder it came from.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -142,19 +143,24 @@ def load_base(
     torch_dtype = resolve_dtype(dtype, dev)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation="sdpa" if attn_implementation == "auto" else attn_implementation
+            folder, dtype=torch_dtype,
+            attn_implementation="sdpa" if attn_implementation in ("auto", "exact") else attn_implementation,
         )
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise MedusaError(f"cannot load model from {folder}: {str(e).splitlines()[0]}") from e
     model.to(dev).eval().requires_grad_(False)
-    if attn_implementation == "auto":
-        use_fast_attention(model)
+    if attn_implementation in ("auto", "exact"):
+        use_fast_attention(model, exact=attn_implementation == "exact")
     return model, tokenizer, folder
 
 
-def use_fast_attention(model) -> str:
-    """Switch the model to the short-query attention kernel where it fits -> the implementation in use."""
+def use_fast_attention(model, exact: bool = False) -> str:
+    """Switch the model to the short-query attention kernel where it fits (exact: its exact
+    mode, refused where it does not fit) -> the implementation in use."""
     if fits_short_query_attention(model.config):
-        model.set_attn_implementation(register_attention())
+        model.set_attn_implementation(register_attention(exact))
+    elif exact:
+        raise MedusaError(f"exact mode needs full attention in every layer and no logit soft-capping; "
+                          f"{model.config.model_type} has not")
     return model.config._attn_implementation

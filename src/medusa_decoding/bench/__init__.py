@@ -26,7 +26,7 @@ from pathlib import Path
 from ..config import MedusaError
 
 from .batch import BatchRun, batch_inputs, run_batch_bench, run_batched, summarize_batch, parse_batch_sizes
-from .config import BASELINE, DEFAULT_METHODS, METHOD_KINDS, NGRAM, PLD_TOKENS, REFERENCE, SUITES, WARMUP_TOKENS, BenchConfig
+from .config import BASELINE, DEFAULT_METHODS, EXACT, METHOD_KINDS, NGRAM, PLD_TOKENS, REFERENCE, SUITES, WARMUP_TOKENS, BenchConfig
 from .methods import Generate, Record, build_methods, run_method
 from .prompts import Prompt, load_jsonl_prompts, load_suite, select
 from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, identity_line, machine_info,
@@ -94,7 +94,10 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
         identity = {m: {"skipped": "sampling (temperature > 0): outputs are not expected to match"}
                     for m in names if m != REFERENCE}
     else:
-        identity = {m: identity_check(records, m) for m in names if m != REFERENCE and REFERENCE in names}
+        exact_reference = REFERENCE + EXACT
+        identity = {m: identity_check(records, m, exact_reference if m.endswith(EXACT) and exact_reference in names
+                                      else REFERENCE)
+                    for m in names if m not in (REFERENCE, exact_reference) and REFERENCE in names}
     return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
             "engine": compiled,
             "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}

@@ -15,6 +15,7 @@ SUITES = ("spec-bench", "humaneval", "sharegpt")
 # the n-gram branch), whatever drafter that is
 METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
+EXACT = "@exact"  # suffix of our engine's methods: in exact mode (attention.exact_attention), checked against plain@exact
 DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
@@ -60,10 +61,12 @@ class BenchConfig:
         GenerationConfig(max_new_tokens=self.max_new_tokens)
         SamplingConfig(temperature=self.temperature)
         for kind in self.method_kinds:
-            base, plus, suffix = kind.partition("+")
+            if kind.endswith(EXACT) and (kind.startswith("hf") or self.compile):
+                raise MedusaError(f"{kind}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
+            base, plus, suffix = kind.removesuffix(EXACT).partition("+")
             if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf") or base == "default")):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
-                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}")
+                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; any but hf* with {EXACT}")
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
         if self.batch_sizes is not None and (not self.batch_sizes or any(
@@ -79,7 +82,7 @@ class BenchConfig:
     @property
     def head_kinds(self) -> set[str]:
         """The method kinds without their +ngram suffix."""
-        return {k.partition("+")[0] for k in self.method_kinds}
+        return {k.removesuffix(EXACT).partition("+")[0] for k in self.method_kinds}
 
     @property
     def method_kinds(self) -> list[str]:

@@ -13,7 +13,8 @@ import torch
 
 from .. import proposers
 from ..config import DrafterKind, MedusaError, NgramConfig
-from .config import NGRAM, PLD_TOKENS, BenchConfig
+from ..attention import register_attention
+from .config import EXACT, NGRAM, PLD_TOKENS, BenchConfig
 from .prompts import Prompt
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -71,6 +72,18 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
         wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
     return generate
+
+
+def exact_method(model, generate: Generate) -> Generate:
+    """The same method with the base in exact mode for the call (attention.exact_attention)."""
+    def exact(input_ids, max_new_tokens, seed):
+        engine_attention = model.base.config._attn_implementation
+        model.base.set_attn_implementation(register_attention(exact=True))
+        try:
+            return generate(input_ids, max_new_tokens, seed)
+        finally:
+            model.base.set_attn_implementation(engine_attention)
+    return exact
 
 
 def hf_method(model, temperature: float, prompt_lookup: int | None) -> Generate:
@@ -195,7 +208,10 @@ def build_methods(cfg: BenchConfig):
         folder = default_heads(cfg)
         default = variant(weights(folder) if folder is not None else None, plus=True)
     methods: dict[str, Generate] = {}
-    for kind in kinds:
+    made: dict[str, list[str]] = {}  # kind -> the methods it made (medusa: one per --tree)
+    for kind in dict.fromkeys(k.removesuffix(EXACT) for k in kinds):
+        before = set(methods)
+        made[kind] = []
         name, plus, _ = kind.partition("+")
         if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)
@@ -215,4 +231,10 @@ def build_methods(cfg: BenchConfig):
             methods[kind] = engine_method(variant(weights(drafter_folder(cfg, name)), bool(plus)), True, cfg.temperature)
         else:
             methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
-    return base, methods, default
+        made[kind] = [m for m in methods if m not in before]
+    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact: each of its methods in exact mode
+    for kind in kinds:
+        plain_kind = kind.removesuffix(EXACT)
+        for m in made[plain_kind]:
+            asked[m + kind[len(plain_kind):]] = exact_method(base, methods[m]) if kind != plain_kind else methods[m]
+    return base, asked, default

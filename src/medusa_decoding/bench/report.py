@@ -52,6 +52,8 @@ def identity_line(identity: dict) -> str:
         if "skipped" in ident:
             return f"token identity vs {REFERENCE}: skipped ({ident['skipped']})"
         part = f"{method} {ident['differ']}/{ident['compared']} prompts differ"
+        if ident.get("reference", REFERENCE) != REFERENCE:
+            part += f" from {ident['reference']}"
         if ident["first"]:
             f = ident["first"]
             part += (f" (first: prompt {f['prompt']} [{f['category']}], turn {f['turn'] + 1}, token {f['index']}:"

@@ -60,7 +60,7 @@ def identity_check(records: list[Record], method: str, reference: str = REFERENC
                 ours, theirs = ref[r.prompt].token_ids, r.token_ids
                 first = {"prompt": r.prompt, "category": r.category, "turn": turn, "index": index,
                          "reference_token": _token_at(ours, turn, index), "token": _token_at(theirs, turn, index)}
-    return {"compared": compared, "differ": differ, "first": first}
+    return {"compared": compared, "differ": differ, "first": first, "reference": reference}
 
 
 def _token_at(token_ids: list[list[int]], turn: int, index: int) -> int | None:

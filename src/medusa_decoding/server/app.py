@@ -114,7 +114,7 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "method": method.describe(), "active": scheduler.active,
-                "queued": scheduler.queue.qsize(), "max_batch_size": max_batch_size}
+                "queued": scheduler.queue.qsize(), "max_batch_size": max_batch_size, "rss_mib": resident_mib()}
 
     @app.get("/v1/models")
     async def models():
@@ -273,6 +273,16 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
             scheduler.cancel(prepared.job)
 
     return app
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 1024, 1)
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
