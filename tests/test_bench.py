@@ -36,13 +36,14 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     folder, heads, data = setup
     out = tmp_path / "out"
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
-                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram", "--max-new-tokens", "8",
+                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram,plain@exact,medusa@exact",
+                               "--max-new-tokens", "8",
                                "--dtype", "float32", "--device", "cpu", "--out", out)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram"]
+    assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram", "plain@exact", "medusa@exact"]
     assert results["categories"] == ["writing", "coding"]
-    assert len(results["records"]) == 2 * 5
+    assert len(results["records"]) == 2 * 7
     writing = next(r for r in results["records"] if r["prompt"] == "1" and r["method"] == "medusa")
     assert len(writing["token_ids"]) == 2  # both turns asked
     overall = results["summary"]["overall"]
@@ -51,7 +52,10 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     assert overall["medusa"]["speedup_vs_plain"]["median"] > 0 and overall["hf"]["speedup_vs_plain"]["median"] > 0
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
     for method in ("medusa", "dynamic", "medusa+ngram"):
-        assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None}
+        assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None, "reference": "plain"}
+    # exact mode: each @exact method against plain@exact
+    assert results["identity"]["medusa@exact"] == {"compared": 2, "differ": 0, "first": None, "reference": "plain@exact"}
+    assert "plain@exact" not in results["identity"]
     assert results["identity"]["hf"]["compared"] == 2
     assert results["machine"]["dtype"] == "float32" and "bench" in results["machine"]["command"]
     report = (out / "report.md").read_text()
@@ -234,6 +238,8 @@ def test_humaneval_prompts_only():
     (["--prompts", "BAD"], "holds no valid prompt"),
     (["--suite", "spec-bench", "--prompts", "GOOD"], "not both"),
     (["--methods", "plain,fast"], "unknown method 'fast'"),
+    (["--methods", "plain,hf@exact"], "hf@exact: @exact is for our engine's methods"),
+    (["--methods", "plain@exact", "--compile"], "runs eager"),
     (["--limit", "0"], "limit must be >= 1"),
     (["--repeats", "0"], "repeats must be >= 1"),
     (["--turns", "0"], "turns must be >= 1"),

@@ -78,23 +78,31 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
     scaling = d**-0.5 if scaling is None else scaling
     r, c, dev = h // g, EXACT_CHUNK, query.device
     slots = torch.arange(s, device=dev)
-    if attention_mask is None:  # causal: query i sees keys up to S - n + i
+    dense = attention_mask is None and n == 1  # one query per row seeing every key: plain decoding
+    if dense:
+        attended = torch.ones(b, n, s, dtype=torch.bool, device=dev)
+    elif attention_mask is None:  # causal: query i sees keys up to S - n + i
         attended = (slots[None, :] <= slots[s - n:, None])[None].expand(b, n, s)
     elif attention_mask.dtype == torch.bool:
         attended = attention_mask[:, 0].expand(b, n, s)
     else:
         attended = (attention_mask[:, 0] == 0).expand(b, n, s)  # additive: 0 attends, finfo.min masks
-    # [B, n]: a query's leading run of attended slots; its whole chunks are read in place
-    run = attended.long().cumprod(-1).sum(-1)
-    start = torch.div(run, c, rounding_mode="floor") * c
-    tail = attended & (slots >= start[..., None])  # [B, n, S]: gathered into virtual order
-    count = tail.sum(-1)
-    shared, tails = int(start.max()) // c, -(-int(count.max()) // c)
+    if dense:  # the same layout as below, without the bookkeeping: whole chunks, then the rest in place
+        shared, tails = s // c, -(-(s % c) // c)
+        start = torch.full((b, n), shared * c, device=dev)
+    else:
+        # [B, n]: a query's leading run of attended slots; its whole chunks are read in place
+        run = attended.long().cumprod(-1).sum(-1)
+        start = torch.div(run, c, rounding_mode="floor") * c
+        tail = attended & (slots >= start[..., None])  # [B, n, S]: gathered into virtual order
+        count = tail.sum(-1)
+        shared, tails = int(start.max()) // c, -(-int(count.max()) // c)
     width = tails * c
-    where = torch.where(tail, tail.long().cumsum(-1) - 1, width)  # each tail key's place (else: a dump column)
-    index = torch.zeros(b, n, width + 1, dtype=torch.long, device=dev).scatter_(-1, where, slots.expand(b, n, s))
-    index = index[..., :width]  # [B, n, T] slots in virtual order
-    valid = torch.arange(width, device=dev) < count[..., None]  # [B, n, T]
+    if not dense:
+        where = torch.where(tail, tail.long().cumsum(-1) - 1, width)  # each tail key's place (else: a dump column)
+        index = torch.zeros(b, n, width + 1, dtype=torch.long, device=dev).scatter_(-1, where, slots.expand(b, n, s))
+        index = index[..., :width]  # [B, n, T] slots in virtual order
+        valid = torch.arange(width, device=dev) < count[..., None]  # [B, n, T]
 
     def chunked(p, v):  # p [..., rows, K] @ v [..., K, d] -> [..., rows, d], rows padded for the GEMM
         rows = p.shape[-2]
@@ -102,26 +110,35 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
             p = torch.cat([p, p.new_zeros(*p.shape[:-2], MIN_GEMM_ROWS - rows, p.shape[-1])], -2)
         return torch.matmul(p, v)[..., :rows, :]
 
-    q = query.reshape(b, g, r * n, d)
-    scores = (chunked(q, key.transpose(-1, -2)).float() * scaling).view(b, g, r, n, s)
-    scores = scores.masked_fill(~attended[:, None, None], float("-inf"))
+    q = query.reshape(b, g, r * n, d).float()  # fp32 products: on CPUs without bf16 units, faster too
+    scores = (chunked(q, key.float().transpose(-1, -2)) * scaling).view(b, g, r, n, s)
+    if not dense:
+        scores = scores.masked_fill(~attended[:, None, None], float("-inf"))
     e = torch.exp(scores - scores.amax(-1, keepdim=True))  # [B, G, R, n, S]; masked keys: 0
-    values = value.float()
 
     sums, parts = [], []  # per chunk, in virtual order: [B, G, R, n, chunks] and [B, G, R, n, chunks, d]
     if shared:
-        inside = slots[: shared * c] < start[..., None]  # [B, n, S'] whole chunks of the leading run
-        e_in = e[..., : shared * c].masked_fill(~inside[:, None, None], 0.0).reshape(b, g, r, n, shared, c)
+        e_in = e[..., : shared * c]
+        if not dense:
+            inside = slots[: shared * c] < start[..., None]  # [B, n, S'] whole chunks of the leading run
+            e_in = e_in.masked_fill(~inside[:, None, None], 0.0)
+        e_in = e_in.reshape(b, g, r, n, shared, c)
         sums.append(e_in.sum(-1))
         rows = e_in.reshape(b, g, r * n, shared, c).transpose(2, 3)  # [B, G, chunks, R*n, C]
-        pv = chunked(rows, values[:, :, : shared * c].reshape(b, g, shared, c, d))  # [B, G, chunks, R*n, d]
+        pv = chunked(rows, value[:, :, : shared * c].float().reshape(b, g, shared, c, d))  # [B, G, chunks, R*n, d]
         parts.append(pv.view(b, g, shared, r, n, d).permute(0, 1, 3, 4, 2, 5))
-    if tails:
+    if tails and dense:  # the last partial chunk, in place, padded with zeros
+        pad = width - (s - shared * c)
+        e_t = torch.cat([e[..., shared * c:], e.new_zeros(b, g, r, n, pad)], -1).view(b, g, r, n, tails, c)
+        v_t = torch.cat([value[:, :, shared * c:].float(), value.new_zeros(b, g, pad, d, dtype=torch.float32)], 2)
+        v_t = v_t.view(b, g, n, tails, c, d)
+    elif tails:
         e_t = e.gather(-1, index[:, None, None].expand(b, g, r, n, width))
         e_t = e_t.masked_fill(~valid[:, None, None], 0.0).view(b, g, r, n, tails, c)
-        sums.append(e_t.sum(-1))
-        v_t = values[torch.arange(b, device=dev)[:, None, None], :, index]  # [B, n, T, G, d]
+        v_t = value[torch.arange(b, device=dev)[:, None, None], :, index].float()  # [B, n, T, G, d]
         v_t = v_t.permute(0, 3, 1, 2, 4).reshape(b, g, n, tails, c, d)
+    if tails:
+        sums.append(e_t.sum(-1))
         pv = chunked(e_t.permute(0, 1, 3, 4, 2, 5), v_t)  # [B, G, n, chunks, R, d]
         parts.append(pv.permute(0, 1, 4, 2, 3, 5))
     total = torch.cat(sums, -1).cumsum(-1)[..., -1]  # [B, G, R, n]
