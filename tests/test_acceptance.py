@@ -220,6 +220,15 @@ def test_target_probs_temperature():
     assert p2.dtype == torch.float32
 
 
+def test_target_probs_tiny_temperature_is_finite():
+    """Found by the server's schema fuzzing: temperature 1e-300 made logits / T overflow to inf and
+    the distribution NaN (a 500). It is the argmax's one-hot, ties shared."""
+    logits = torch.tensor([[0.1, 3.0, 2.0], [1.0, 1.0, -5.0]])
+    for top_p in (1.0, 0.9):
+        p = target_probs(logits, SamplingConfig(temperature=1e-300, top_p=top_p))
+        torch.testing.assert_close(p, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+
+
 def test_target_probs_temperature_zero_is_one_hot():
     logits = torch.tensor([[0.1, 3.0, 3.0, -1.0], [2.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
     p = target_probs(logits, SamplingConfig(temperature=0, top_k=3, top_p=0.5))

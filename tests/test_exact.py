@@ -55,9 +55,12 @@ def test_bf16_path_drafters_equal_plain_in_exact_mode(kind):
     assert identical(base, drafter, PROMPTS[:3]) == 3
 
 
-def test_a_rows_logits_are_the_same_alone_and_beside_other_rows():
-    base = bf16_base(exact=True)
-    prompts = [torch.tensor(list(range(40, 40 + n))) for n in (150, 70, 100)]  # ragged lengths, gaps in the block
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_rows_logits_are_the_same_alone_and_beside_other_rows(exact):
+    """Row 0 (70 tokens) alone, then beside longer rows: its nodes move to slots past a gap and
+    the width grows. Exact mode: bit-identical; the fast kernel: not (so the test is real)."""
+    base = bf16_base(exact=exact)
+    prompts = [torch.tensor(list(range(40, 40 + n))) for n in (70, 150, 100)]  # ragged lengths
     tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
     tokens = torch.tensor([7, 8, 9, 10, 11, 12])
 
@@ -70,8 +73,8 @@ def test_a_rows_logits_are_the_same_alone_and_beside_other_rows():
         return logits[0, :6]
 
     alone = verify([0])
-    assert torch.equal(verify([0, 1, 2]), alone)
-    assert torch.equal(verify([0, 2]), alone)
+    same = [torch.equal(verify(rows), alone) for rows in ([0, 1, 2], [0, 2])]
+    assert same == [True, True] if exact else not all(same)
 
 
 def test_exact_attention_equals_attention_and_ignores_masked_keys():
@@ -105,7 +108,7 @@ def test_exact_mode_is_refused_where_attention_is_not_full():
 def test_server_answers_under_load_as_alone_in_bf16():
     """8 concurrent greedy bf16 requests, each equal to the same request sent alone (exact mode)."""
     pytest.importorskip("fastapi")
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from medusa_decoding.server import create_app
 
     from conftest import Server
@@ -125,8 +128,6 @@ def test_server_answers_under_load_as_alone_in_bf16():
         solo = [ask(i) for i in range(8)]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, range(8))) == solo
-    except openai.APIError:
-        raise
     finally:
         server.stop()
     decoder = model.decoder(3)

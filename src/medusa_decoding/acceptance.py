@@ -68,7 +68,10 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         # Filters cannot change a one-hot distribution; argmax ties resolve as accept_greedy's.
         p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
         return p.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    p = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # [N, V]
+    # shifted to max 0 first, the max kept at 0: a temperature too small for float32 then gives
+    # the others -inf (probability 0), never inf - inf or 0 / 0
+    shifted = logits.float() - logits.float().amax(-1, keepdim=True)  # [N, V], <= 0
+    p = torch.softmax(torch.where(shifted == 0, 0.0, shifted / sampling.temperature), dim=-1)  # [N, V]
     vocab = p.shape[-1]
     top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
     if top_k == 0 and sampling.top_p >= 1:

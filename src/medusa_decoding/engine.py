@@ -357,7 +357,8 @@ class Decoder:
             st = s.stats
             st.record(len(new))
             st.nodes += p.tokens.numel() if p is not None else 1
-            ngram = p is not None and len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain
+            # the accepted path is on the n-gram branch (one host read, only on steps that carried one)
+            ngram = p is not None and p.chain > 0 and len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain
             if p is not None and p.chain:
                 st.ngram_steps += 1
                 st.copy_steps += p.copy_step

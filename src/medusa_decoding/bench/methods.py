@@ -3,6 +3,7 @@ and transformers' (hf, hf-pld); `run_method` asks one method every turn of one p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -12,8 +13,8 @@ from pathlib import Path
 import torch
 
 from .. import proposers
-from ..config import DrafterKind, MedusaError, NgramConfig
 from ..attention import register_attention
+from ..config import DrafterKind, MedusaError, NgramConfig
 from .config import EXACT, NGRAM, PLD_TOKENS, BenchConfig
 from .prompts import Prompt
 
@@ -74,15 +75,22 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
     return generate
 
 
+@contextlib.contextmanager
+def attention(model, name: str):
+    """The base model runs with attention implementation `name` inside the block."""
+    engine_attention = model.base.config._attn_implementation
+    model.base.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.base.set_attn_implementation(engine_attention)
+
+
 def exact_method(model, generate: Generate) -> Generate:
     """The same method with the base in exact mode for the call (attention.exact_attention)."""
     def exact(input_ids, max_new_tokens, seed):
-        engine_attention = model.base.config._attn_implementation
-        model.base.set_attn_implementation(register_attention(exact=True))
-        try:
+        with attention(model, register_attention(exact=True)):
             return generate(input_ids, max_new_tokens, seed)
-        finally:
-            model.base.set_attn_implementation(engine_attention)
     return exact
 
 
@@ -102,16 +110,12 @@ def hf_method(model, temperature: float, prompt_lookup: int | None) -> Generate:
             kwargs.update(do_sample=False)
         if prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup
-        engine_attention = model.base.config._attn_implementation
-        model.base.set_attn_implementation("sdpa")  # transformers as a user runs it
-        _sync(model.device)
-        t0 = time.perf_counter()
-        try:
+        with attention(model, "sdpa"):  # transformers as a user runs it
+            _sync(model.device)
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 out = model.base.generate(input_ids, **kwargs)
-        finally:
-            model.base.set_attn_implementation(engine_attention)
-        _sync(model.device)
+            _sync(model.device)
         wall = time.perf_counter() - t0
         new = out[0, input_ids.shape[1]:].tolist()
         end = next((i + 1 for i, t in enumerate(new) if t in model.eos_token_ids), len(new))
@@ -211,7 +215,6 @@ def build_methods(cfg: BenchConfig):
     made: dict[str, list[str]] = {}  # kind -> the methods it made (medusa: one per --tree)
     for kind in dict.fromkeys(k.removesuffix(EXACT) for k in kinds):
         before = set(methods)
-        made[kind] = []
         name, plus, _ = kind.partition("+")
         if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)

@@ -9,8 +9,8 @@ Every method `medusa generate` runs is served, the default included: each row ha
 proposer state. Speculation adapts to load (engine.AdaptiveSpeculation): each step's budget is
 the one measured fastest at the current number of active rows, plain decoding included. Every
 response carries an extension field `medusa`: steps and mean accepted length (bonus included);
-each streamed chunk's `medusa.tokens` gives every token's text, step, depth and source (see
-docs/server.md). A request with `"speculative": false` is decoded plainly.
+each streamed chunk's `medusa.tokens` gives every token's text, step, depth and source (README,
+"Serving"). A request with `"speculative": false` is decoded plainly.
 """
 
 from __future__ import annotations
