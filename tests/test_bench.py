@@ -240,6 +240,11 @@ def test_humaneval_prompts_only():
     (["--methods", "plain,fast"], "unknown method 'fast'"),
     (["--methods", "plain,hf@exact"], "hf@exact: @exact is for our engine's methods"),
     (["--methods", "plain@exact", "--compile"], "runs eager"),
+    (["--methods", "plain,llama.cpp@exact"], "@exact is for our engine's methods"),
+    (["--methods", "plain,llama.cpp", "-t", "0.7"], "plain greedy decoding: run it at temperature 0"),
+    (["--methods", "plain,llama.cpp"], "decodes a GGUF file: pass --model FILE.gguf"),
+    (["--methods", "plain,medusa@shipped"], "@shipped is for default, hydra, eagle"),
+    (["--calibration", "never"], "unknown calibration 'never'"),
     (["--limit", "0"], "limit must be >= 1"),
     (["--repeats", "0"], "repeats must be >= 1"),
     (["--turns", "0"], "turns must be >= 1"),
@@ -271,3 +276,18 @@ def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, setup, args, messa
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_bench_fitted_and_shipped_budgets_side_by_side(capsys, monkeypatch, setup, tmp_path):
+    folder, heads, data = setup
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
+                               data / "prompts.jsonl", "--methods", "plain,default,default@shipped", "-n", "8",
+                               "--dtype", "float32", "--out", out)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["identity"]["default@shipped"]["differ"] == 0
+    assert results["fitted_vs_shipped"]["default"]["median"] > 0
+    assert "fitted to this machine vs shipped budget" in stdout
+    assert "fitted to this machine vs shipped budget" in (out / "report.md").read_text()

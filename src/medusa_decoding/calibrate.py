@@ -18,12 +18,13 @@ from __future__ import annotations
 import heapq
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .costs import BUDGETS, interpolate, timed
+from .proposers import ACCEPTANCE_NAME, Drafter, Proposer
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
@@ -83,16 +84,6 @@ def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[tuple[
     return chosen
 
 
-def _timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 @torch.inference_mode()
 def verify_latency(backend, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) -> dict[int, float]:
     """t(n) / t(1): median wall time of one verification step of n tree tokens after a prefix of
@@ -107,7 +98,7 @@ def verify_latency(backend, sizes=SIZES, prefix_len: int = 256, repeats: int = 9
     for rep in range(repeats + 1):
         for n in sizes:
             tokens = torch.randint(0, vocab, (n,), device=device)
-            t = _timed(lambda: verifier.verify([row], [tokens], [chain[n]]), device)
+            t = timed(lambda: verifier.verify([row], [tokens], [chain[n]]), device)
             if rep:  # the first round warms up
                 times[n].append(t)
     verifier.release(row)
@@ -130,21 +121,11 @@ def heads_latency(backend, heads, repeats: int = 20) -> list[float]:
     t_step = []
     for _ in range(repeats):
         for k in range(heads.num_heads):
-            t_heads[k].append(_timed(lambda: heads(hidden, lm_head, num_heads=k + 1).topk(RANKS, dim=-1), device))
-        t_step.append(_timed(lambda: verifier.verify([row], [root], [one]), device))
+            t_heads[k].append(timed(lambda: heads(hidden, lm_head, num_heads=k + 1).topk(RANKS, dim=-1), device))
+        t_step.append(timed(lambda: verifier.verify([row], [root], [one]), device))
     verifier.release(row)
     step = statistics.median(t_step)
     return [statistics.median(t) / step for t in t_heads]
-
-
-def interpolate(latency: dict[int, float], n: int) -> float:
-    sizes = sorted(latency)
-    if n <= sizes[0]:
-        return latency[sizes[0]]
-    for a, b in zip(sizes, sizes[1:]):
-        if a <= n <= b:
-            return latency[a] + (latency[b] - latency[a]) * (n - a) / (b - a)
-    return latency[sizes[-1]] * n / sizes[-1]
 
 
 def fit(accuracy, latency: dict[int, float], heads_cost: list[float]) -> Calibration:
@@ -203,7 +184,82 @@ def calibration_prompts(path: Path | None, limit: int) -> list[str]:
     return texts
 
 
-# Path-aware drafters (hydra, eagle) ----------------------------------------------------------------
+# Path-aware drafters (hydra, eagle): acceptance by budget ------------------------------------------
+# EAGLE-2's rule keeps the b - 1 best-scored nodes of one candidate set whatever b is, and a child
+# scores below its parent: the b-node tree is the top of the 32-node one. So one greedy run at the
+# largest budget tells, for every smaller budget, how many of each step's accepted nodes it kept.
+
+
+class _Recorder(Proposer):
+    """A row's proposer at the largest budget, counting per budget the accepted nodes it would keep."""
+
+    def __init__(self, inner: Proposer, budgets: list[int], counts: dict):
+        self.inner, self.budgets, self.counts = inner, budgets, counts
+        self.depth_limit = inner.depth_limit
+        self.rank: torch.Tensor | None = None  # [N] each node's rank by score (root: -1)
+
+    def start(self, prompt):
+        self.inner.start(prompt)
+
+    def propose(self, root, budget=None):
+        p = self.inner.propose(root, max(self.budgets))
+        self.rank = None
+        if p is not None and p.score is not None:
+            ranked = p.score[1:] - 1e-4 * p.tree.depth[1:].float()  # drafters.grow_tree's order
+            order = ranked.argsort(descending=True)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(len(order), device=order.device)
+            self.rank = torch.cat([rank.new_full((1,), -1), rank])
+        return p
+
+    def observe(self, hidden, next_tokens, nodes):
+        if nodes is not None and self.rank is not None:
+            kept = self.rank[nodes[1:]]  # [A - 1] ranks of the accepted nodes
+            for b in self.budgets:
+                self.counts[b] += int((kept < b - 1).sum())
+            self.counts["steps"] += 1
+        self.inner.observe(hidden, next_tokens, nodes)
+
+
+class _Recording(Drafter):
+    def __init__(self, drafter: Drafter, budgets: list[int], counts: dict):
+        self.inner, self.budgets, self.counts = drafter, budgets, counts
+        self.kind, self.weights = drafter.kind, drafter.weights
+
+    def proposer(self) -> Proposer:
+        return _Recorder(self.inner.proposer(), self.budgets, self.counts)
+
+    def tree_sizes(self) -> set[int]:
+        return {max(self.budgets)}
+
+
+def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 128, budgets=BUDGETS,
+                     progress=None) -> dict:
+    """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each ->
+    {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
+    greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget."""
+    from .engine import MedusaModel
+
+    budgets = sorted(budgets)
+    counts = dict.fromkeys(budgets, 0) | {"steps": 0}
+    recording = MedusaModel(model.base, model.tokenizer, heads=_Recording(model.drafter, budgets, counts),
+                            backend=model.backend)
+    for i, ids in enumerate(inputs):
+        recording.generate(ids, max_new_tokens=max_new_tokens)
+        if progress:
+            progress(i + 1)
+    steps = max(counts["steps"], 1)
+    return {"expected_tau": {b: 1.0 + counts[b] / steps for b in budgets}, "steps": counts["steps"],
+            "prompts": len(inputs), "max_new_tokens": max_new_tokens, "drafted_at_budget": budgets[-1],
+            "dtype": str(model.base.dtype).removeprefix("torch."),
+            "data": "first user turns of held-out ShareGPT conversations, greedy"}
+
+
+def save_acceptance(result: dict, folder: Path) -> None:
+    (folder / ACCEPTANCE_NAME).write_text(json.dumps(result, indent=1) + "\n")
+
+
+# Path-aware drafters (hydra, eagle): the end-to-end grid ---------------------------------------------
 # Their cost is sequential: one drafter call per depth, inside the step. Rather than model it,
 # measure it: generate with each drafting setting, interleaved with plain decoding prompt by
 # prompt, and keep the setting with the best median speed-up.
@@ -220,7 +276,7 @@ def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, gri
     from . import proposers
     from .engine import MedusaModel
 
-    def timed(module, prompt):
+    def run(module, prompt):
         if module is None:
             return model.generate(prompt, max_new_tokens=max_new_tokens, use_medusa=False).stats
         variant = MedusaModel(model.base, model.tokenizer, heads=proposers.wrap(module, model.base),
@@ -236,10 +292,10 @@ def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, gri
     speeds: dict[tuple, list[float]] = {g: [] for g in grid}
     try:
         for i, prompt in enumerate(inputs):
-            plain = timed(None, prompt)
+            plain = run(None, prompt)
             for g in grid:
                 cfg.draft_depth, cfg.draft_width, cfg.draft_budget = g
-                stats = timed(drafter, prompt)
+                stats = run(drafter, prompt)
                 if i == 0 and len(inputs) > 1:
                     continue  # warm-up
                 ratios[g].append(stats.tokens_per_s / plain.tokens_per_s)

@@ -12,20 +12,21 @@ from typing import Optional
 
 import typer
 
-from .config import DEFAULT_MODEL, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from .config import DEFAULT_MODEL, Calibration, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
 
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Built-in alias, Hugging Face model folder or .gguf file.")
 HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle drafter folder; default: the drafter shipped for the built-in model (with --tree: its Medusa heads).")
-DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on CPU and recent GPUs).")
+DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 ExactOpt = typer.Option(False, "--exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch (fp32 is exact either way).")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile the verification step (about 30 s per new shape on this CPU, then ~1.6x faster steps); pays off over many generations.")
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
 NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
+CalibrationOpt = typer.Option(Calibration.AUTO.value, "--calibration", help="The drafter's budget: auto (fitted to this machine from its verify and drafting costs, measured once in ~10-30 s and cached under $MEDUSA_CACHE), refresh (measure again) or shipped (the checkpoint's own).")
 NoMedusaOpt = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline).")
 
 
@@ -35,10 +36,14 @@ def fail(message: str) -> None:
 
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False, exact: bool = False):
+               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False, exact: bool = False,
+               calibration: str = Calibration.AUTO.value):
     """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
-    the built-in model (its Medusa heads when a --tree is given)."""
+    the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
+    machine unless a tree or budget is given or --calibration shipped."""
     from .engine import MedusaModel, shipped_heads
+
+    mode = Calibration.parse(calibration)
 
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
@@ -51,9 +56,12 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
         heads_arg = shipped_heads(model, "medusa" if tree is not None else None)  # a tree is for Medusa heads
         if heads_arg is None and model == DEFAULT_MODEL:
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
-    return MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
-                                       ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
-                                       compile=compile, attn_implementation="exact" if exact else "auto")
+    m = MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
+                                    ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
+                                    compile=compile, attn_implementation="exact" if exact else "auto")
+    if m.drafter is not None and tree is None and tree_budget is None and mode != Calibration.SHIPPED:
+        typer.echo(m.fit_to_machine(refresh=mode == Calibration.REFRESH).line, err=True)
+    return m
 
 
 @app.callback()
@@ -82,6 +90,7 @@ def generate(
     ngram: int = NgramOpt,
     compile: bool = CompileOpt,
     exact: bool = ExactOpt,
+    calibration: str = CalibrationOpt,
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
     if not prompt.strip():
@@ -89,7 +98,8 @@ def generate(
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact)
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
+                   calibration=calibration)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, use_medusa=not no_medusa,
                       **sampling)
     for delta in stream:
@@ -137,6 +147,7 @@ def serve(
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
     compile: bool = CompileOpt,
     exact: bool = ExactOpt,
+    calibration: str = CalibrationOpt,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching; a page on / shows each answer's tokens coloured by how they were produced."""
     if max_batch_size < 1:
@@ -147,7 +158,8 @@ def serve(
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact)
+    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
+                   calibration=calibration)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
@@ -160,12 +172,14 @@ def calibrate(
     limit: int = typer.Option(24, "--limit", help="Calibration prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to save the tree (default: HEADS/tree.json)."),
-    ngram: int = typer.Option(NgramConfig.length, "--ngram", help="hydra/eagle: measure with this n-gram branch, as generate runs by default (0: none)."),
+    ngram: int = typer.Option(NgramConfig.length, "--ngram", help="hydra/eagle: fit the budget with this n-gram branch, as generate runs by default (0: none)."),
+    grid: bool = typer.Option(False, "--grid", help="hydra/eagle: also time every drafting depth/budget against plain decoding end to end and save the best in config.json (the long version, ~1 h)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Fit the tree to the heads and this device: head accuracy, verify latency, best tree (or, for a
-    hydra/eagle drafter, the drafting setting measured fastest against plain decoding)."""
+    hydra/eagle drafter, its acceptance at every budget, saved as acceptance.json, and the budget
+    that fits this machine; --grid: the drafting setting measured fastest against plain decoding)."""
     import torch
 
     from . import calibrate as cal
@@ -179,7 +193,7 @@ def calibrate(
                                     ngram=NgramConfig(length=ngram) if ngram else None)
     texts = cal.calibration_prompts(prompts, limit)
     if m.drafter.kind != "medusa":
-        _calibrate_drafter(m, texts, max_new_tokens, heads, out)
+        _calibrate_drafter(m, texts, max_new_tokens, heads, out, grid)
         return
     sequences = []
     with typer.progressbar(texts, label="greedy answers", file=sys.stderr) as bar:
@@ -203,19 +217,35 @@ def calibrate(
     typer.echo(f"saved {target}", err=True)
 
 
-def _calibrate_drafter(m, texts: list[str], max_new_tokens: int, heads: Path, out: Optional[Path]) -> None:
-    """A hydra/eagle drafter: measure every drafting setting against plain decoding, keep the best."""
+def _calibrate_drafter(m, texts: list[str], max_new_tokens: int, heads: Path, out: Optional[Path], grid: bool) -> None:
+    """A hydra/eagle drafter: its acceptance at every budget (saved with the checkpoint), then the
+    budget fitted to this machine; grid: also every drafting setting against plain decoding."""
+    import shutil
+
     from . import calibrate as cal
 
+    folder = out or heads
+    if out is not None:
+        shutil.copytree(heads, out, dirs_exist_ok=True)
     inputs = [m.encode(t) for t in texts]
+    ngram, m.ngram = m.ngram, None  # the drafter's own acceptance: no n-gram branch
+    with typer.progressbar(length=len(inputs), label="acceptance by budget", file=sys.stderr) as bar:
+        accepted = cal.acceptance_curve(m, inputs, max_new_tokens, progress=lambda i: bar.update(1))
+    m.ngram = ngram
+    cal.save_acceptance(accepted, folder)
+    m.drafter.source = folder
+    typer.echo(f"saved {folder / cal.ACCEPTANCE_NAME} ({accepted['steps']} steps)", err=True)
+    fit = m.fit_to_machine(refresh=True)
+    typer.echo("budget  expected tau  cost  expected speed-up (this machine)")
+    for r in fit.table:
+        mark = "  <- chosen" if r["budget"] == fit.budget else ""
+        typer.echo(f"{r['budget']:>6}  {r['expected_tau']:12.2f}  {r['cost']:4.2f}  {r['expected_speedup']:17.2f}{mark}")
+    typer.echo(fit.line, err=True)
+    if not grid:
+        return
     with typer.progressbar(length=len(inputs), label=f"{len(cal.DRAFT_GRID)} drafting settings x plain",
                            file=sys.stderr) as bar:
         result = cal.fit_drafter(m, inputs, max_new_tokens, progress=lambda i: bar.update(1))
-    folder = out or heads
-    if out is not None:
-        import shutil
-
-        shutil.copytree(heads, out, dirs_exist_ok=True)
     cal.save_drafter_fit(result, folder)
     typer.echo("depth  width  budget  tau   tok/s  speed-up vs plain (median)")
     for r in sorted(result["grid"], key=lambda r: -r["median_speedup"]):
@@ -302,7 +332,7 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (default: plain,default,hf,hf-pld)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch; default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
@@ -319,6 +349,7 @@ def bench(
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs default (load-adaptive budgets, as medusa serve runs it) under continuous batching at each batch size (first turns, greedy)."),
     batch_only: bool = typer.Option(False, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
     compile: bool = CompileOpt,
+    calibration: str = CalibrationOpt,
 ) -> None:
     """Methods side by side on the same prompts: results.json, report.md and plots in --out."""
     from .bench import BenchConfig, parse_batch_sizes, run_bench
@@ -329,7 +360,7 @@ def bench(
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
         ngram_length=ngram, tree_budget=tree_budget,
         batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes is not None else None, batch_only=batch_only,
-        compile=compile,
+        compile=compile, calibration=calibration,
     )
     run_bench(cfg)
 

@@ -44,6 +44,21 @@ class DrafterKind(str, enum.Enum):
             raise MedusaError(f"unknown drafter {value!r}; use one of {names}") from None
 
 
+class Calibration(str, enum.Enum):
+    """Where a drafter's budget comes from (costs.fit_to_machine)."""
+
+    AUTO = "auto"  # fitted to this machine: its cached cost curve, measured first if there is none
+    REFRESH = "refresh"  # fitted to this machine, measuring its cost curve again
+    SHIPPED = "shipped"  # the checkpoint's own budget, as calibrated where it was trained
+
+    @classmethod
+    def parse(cls, value) -> Calibration:
+        try:
+            return cls(value)
+        except ValueError:
+            raise MedusaError(f"unknown calibration {value!r}; use one of {', '.join(c.value for c in cls)}") from None
+
+
 class Acceptance(str, enum.Enum):
     """How the base model's distribution decides which tree candidates to keep."""
 

@@ -538,6 +538,14 @@ class MedusaModel:
         """Node counts of the verification steps this model takes: the shapes a compiled backend needs."""
         return self.method(use_medusa).tree_sizes()
 
+    def fit_to_machine(self, refresh: bool = False, progress: bool = True):
+        """Choose the drafter's budget for this machine from its shipped acceptance statistics and
+        this machine's verify and drafting costs (measured once, ~10-30 s, then cached under
+        $MEDUSA_CACHE/calibration) -> a costs.Fit whose `line` says which calibration is in use."""
+        from .costs import fit_to_machine
+
+        return fit_to_machine(self, refresh=refresh, progress=progress)
+
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
         """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)
         -> seconds; nothing to do for an eager backend."""

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,11 +52,37 @@ def resolve_device(device: str) -> torch.device:
     raise MedusaError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")  # what changes the CPU kernels
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # bf16 dot products in hardware
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """-> (CPU model name, the ISA_FLAGS it has), from /proc/cpuinfo where there is one."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    name, flags = platform.machine(), set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == platform.machine():
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, [f for f in ISA_FLAGS if f in flags]
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on GPUs that have it (else fp16), and on CPUs with bf16 dot products in hardware
+    (AVX-512 BF16, AMX); fp32 on other CPUs. Measured on an AVX2-only EPYC (1 thread): a bf16
+    step of 1 / 8 / 16 / 32 nodes took 66 / 314 / 663 / 1303 ms, fp32 78 / 150 / 178 / 241 ms:
+    without native bf16 a tree verification costs 4-5x more in bf16 than in fp32."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16  # measured here: bf16 steps are ~1.5x faster than fp32 on CPU
+        if device.type == "cpu" and not any(f in cpu_info()[1] for f in NATIVE_BF16):
+            return torch.float32
+        return torch.bfloat16  # with native bf16: steps ~1.5x faster than fp32 (AVX-512 BF16 EPYC)
     if dtype not in DTYPES:
         raise MedusaError(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, 'auto'])}")
     return DTYPES[dtype]

@@ -29,9 +29,9 @@ from .batch import BatchRun, batch_inputs, run_batch_bench, run_batched, summari
 from .config import BASELINE, DEFAULT_METHODS, EXACT, METHOD_KINDS, NGRAM, PLD_TOKENS, REFERENCE, SUITES, WARMUP_TOKENS, BenchConfig
 from .methods import Generate, Record, build_methods, run_method
 from .prompts import Prompt, load_jsonl_prompts, load_suite, select
-from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, identity_line, machine_info,
+from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, fitted_line, identity_line, machine_info,
                      method_row, text_table, write_plots, write_report)
-from .summary import first_difference, identity_check, per_prompt_speedups, summarize
+from .summary import first_difference, fitted_vs_shipped, identity_check, per_prompt_speedups, summarize
 
 log = logging.getLogger("medusa_decoding.bench")
 
@@ -64,6 +64,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         rows = [[m] + method_row(results["summary"]["overall"][m], results["identity"].get(m)) for m in methods]
         print(text_table(OVERALL_HEADER, rows))
         print(identity_line(results["identity"]))
+        if results["fitted_vs_shipped"]:
+            print(fitted_line(results["fitted_vs_shipped"]))
     if cfg.batch_sizes:
         print(text_table(BATCH_HEADER, batch_table_rows(results["batch"]["rows"])))
         print(batch_identity_line(results["batch"]))
@@ -99,5 +101,6 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
                                       else REFERENCE)
                     for m in names if m not in (REFERENCE, exact_reference) and REFERENCE in names}
     return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
+            "fitted_vs_shipped": fitted_vs_shipped(records, names),
             "engine": compiled,
             "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..config import DEFAULT_MODEL, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from ..config import DEFAULT_MODEL, Calibration, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 
 log = logging.getLogger("medusa_decoding.bench")
 
@@ -13,11 +13,16 @@ log = logging.getLogger("medusa_decoding.bench")
 SUITES = ("spec-bench", "humaneval", "sharegpt")
 # default: what `medusa generate` runs with no method options (the shipped drafter, or --heads, with
 # the n-gram branch), whatever drafter that is
-METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld")
+METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld", "llama.cpp")
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
 EXACT = "@exact"  # suffix of our engine's methods: in exact mode (attention.exact_attention), checked against plain@exact
+# suffix of default/hydra/eagle: the checkpoint's own budget, not the one fitted to this machine (costs.py)
+SHIPPED = "@shipped"
+FITTED_KINDS = ("default", "hydra", "eagle")
 DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
+LLAMACPP = "llama.cpp"  # plain greedy decoding of the same GGUF by llama.cpp: speed-ups against it too, when run
+FOREIGN = ("hf", "hf-pld", LLAMACPP)  # methods that are not our engine
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
 
@@ -48,6 +53,7 @@ class BenchConfig:
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
     compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
+    calibration: str = Calibration.AUTO.value  # drafter budgets: fitted to this machine, or the shipped ones
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -61,12 +67,19 @@ class BenchConfig:
         GenerationConfig(max_new_tokens=self.max_new_tokens)
         SamplingConfig(temperature=self.temperature)
         for kind in self.method_kinds:
-            if kind.endswith(EXACT) and (kind.startswith("hf") or self.compile):
+            if kind.endswith(EXACT) and (kind.removesuffix(EXACT) in FOREIGN or self.compile):
                 raise MedusaError(f"{kind}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
-            base, plus, suffix = kind.removesuffix(EXACT).partition("+")
-            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base.startswith("hf") or base == "default")):
+            if kind == LLAMACPP and self.temperature > 0:
+                raise MedusaError(f"method {LLAMACPP} is plain greedy decoding: run it at temperature 0")
+            core = kind.removesuffix(EXACT)
+            if core.endswith(SHIPPED) and core.removesuffix(SHIPPED).partition("+")[0] not in FITTED_KINDS:
+                raise MedusaError(f"{kind}: {SHIPPED} is for {', '.join(FITTED_KINDS)} (a drafter with a budget)")
+            base, plus, suffix = core.removesuffix(SHIPPED).partition("+")
+            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base in FOREIGN or base == "default")):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
-                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; any but hf* with {EXACT}")
+                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
+                                  f"any but hf*/{LLAMACPP} with {EXACT}")
+        self.calibration = Calibration.parse(self.calibration).value
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
         if self.batch_sizes is not None and (not self.batch_sizes or any(
@@ -82,7 +95,7 @@ class BenchConfig:
     @property
     def head_kinds(self) -> set[str]:
         """The method kinds without their +ngram suffix."""
-        return {k.removesuffix(EXACT).partition("+")[0] for k in self.method_kinds}
+        return {k.removesuffix(EXACT).removesuffix(SHIPPED).partition("+")[0] for k in self.method_kinds}
 
     @property
     def method_kinds(self) -> list[str]:

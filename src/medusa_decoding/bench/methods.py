@@ -1,5 +1,5 @@
-"""2. methods: our engine's methods (plain, default, medusa[:tree], dynamic, hydra, eagle, +ngram)
-and transformers' (hf, hf-pld); `run_method` asks one method every turn of one prompt -> a Record."""
+"""2. methods: our engine's methods (plain, default, medusa[:tree], dynamic, hydra, eagle, +ngram),
+transformers' (hf, hf-pld) and llama.cpp's plain decoding (llamacpp.py); `run_method` asks one method every turn of one prompt -> a Record."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 from .. import proposers
 from ..attention import register_attention
-from ..config import DrafterKind, MedusaError, NgramConfig
-from .config import EXACT, NGRAM, PLD_TOKENS, BenchConfig
+from ..config import Calibration, DrafterKind, MedusaError, NgramConfig
+from .config import EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, BenchConfig
 from .prompts import Prompt
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -193,6 +193,12 @@ def build_methods(cfg: BenchConfig):
             raise MedusaError(f"methods {', '.join(sorted(with_heads))} need --heads: none are shipped for {cfg.model!r}")
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
         kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
+    gguf = None
+    if LLAMACPP in kinds:  # refused before the model loads when it cannot run
+        from . import llamacpp
+
+        gguf = llamacpp.gguf_file(cfg.model)
+        llamacpp._import()
     base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
     ngram = NgramConfig(length=cfg.ngram_length)
     loaded: dict[str, object] = {}
@@ -203,25 +209,34 @@ def build_methods(cfg: BenchConfig):
             loaded[key] = proposers.load(folder, base.base)
         return loaded[key]
 
-    def variant(drafter=None, plus: bool = False, tree=None) -> MedusaModel:
-        return MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
-                           ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
+    def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False) -> MedusaModel:
+        model = MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
+                            ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
+        if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != Calibration.SHIPPED:
+            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == Calibration.REFRESH).line)
+        return model
 
-    default = None
-    if "default" in kinds or cfg.batch_sizes:
-        folder = default_heads(cfg)
-        default = variant(weights(folder) if folder is not None else None, plus=True)
+    fitted_default: dict[bool, MedusaModel] = {}
+
+    def default_model(fitted: bool) -> MedusaModel:
+        if fitted not in fitted_default:
+            folder = default_heads(cfg)
+            fitted_default[fitted] = variant(weights(folder) if folder is not None else None, True, fitted=fitted)
+        return fitted_default[fitted]
+
+    default = default_model(True) if "default" in kinds or cfg.batch_sizes else None
     methods: dict[str, Generate] = {}
     made: dict[str, list[str]] = {}  # kind -> the methods it made (medusa: one per --tree)
     for kind in dict.fromkeys(k.removesuffix(EXACT) for k in kinds):
         before = set(methods)
-        name, plus, _ = kind.partition("+")
+        fitted = not kind.endswith(SHIPPED)
+        name, plus, _ = kind.removesuffix(SHIPPED).partition("+")
         if name == "plain" and not plus:
             methods["plain"] = engine_method(base, False, cfg.temperature)
         elif name == "plain":  # prompt lookup alone, in our engine
             methods[kind] = engine_method(variant(plus=True), True, cfg.temperature)
         elif name == "default":
-            methods[kind] = engine_method(default, True, cfg.temperature)
+            methods[kind] = engine_method(default_model(fitted), True, cfg.temperature)
         elif name == "dynamic":
             methods[kind] = engine_method(variant(weights(heads), bool(plus), DYNAMIC), True, cfg.temperature)
         elif name == "medusa" and not cfg.trees:
@@ -231,7 +246,10 @@ def build_methods(cfg: BenchConfig):
                 model = variant(weights(heads), bool(plus), tree)
                 methods[f"medusa:{stem}{plus and NGRAM}"] = engine_method(model, True, cfg.temperature)
         elif name in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value):
-            methods[kind] = engine_method(variant(weights(drafter_folder(cfg, name)), bool(plus)), True, cfg.temperature)
+            model = variant(weights(drafter_folder(cfg, name)), bool(plus), fitted=fitted)
+            methods[kind] = engine_method(model, True, cfg.temperature)
+        elif name == LLAMACPP:
+            methods[kind] = llamacpp.llamacpp_method(base, gguf)
         else:
             methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
         made[kind] = [m for m in methods if m not in before]

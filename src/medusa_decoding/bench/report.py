@@ -30,10 +30,10 @@ def method_row(fig: dict, identity: dict | None) -> list[str]:
     same = "-" if not identity or not identity.get("compared") else f"{identity['compared'] - identity['differ']}/{identity['compared']}"
     return [_fmt(t["median"], 1), f"{_fmt(t['q1'], 1)}-{_fmt(t['q3'], 1)}",
             _fmt(fig["speedup_vs_plain"]["median"], 2, "x"), _fmt(fig["speedup_vs_hf"]["median"], 2, "x"),
-            _fmt(fig.get("mean_accepted_length")), same]
+            _fmt(fig.get("speedup_vs_llama.cpp", {}).get("median"), 2, "x"), _fmt(fig.get("mean_accepted_length")), same]
 
 
-OVERALL_HEADER = ["method", "tok/s", "IQR", "vs plain", "vs hf", "tau", "identical"]
+OVERALL_HEADER = ["method", "tok/s", "IQR", "vs plain", "vs hf", "vs llama.cpp", "tau", "identical"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -44,6 +44,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in [header, *rows])
+
+
+def fitted_line(fitted: dict) -> str:
+    """The budget fitted to this machine against the checkpoint's own, paired per prompt."""
+    return "fitted to this machine vs shipped budget (median per-prompt ratio): " + "; ".join(
+        f"{m} {_fmt(f['median'], 2, 'x')} (IQR {_fmt(f['q1'])}-{_fmt(f['q3'])})" for m, f in fitted.items())
 
 
 def identity_line(identity: dict) -> str:
@@ -89,10 +95,15 @@ def method_report(results: dict) -> list[str]:
            "## Overall", "", markdown_table(OVERALL_HEADER, [[m] + method_row(summary["overall"][m], results["identity"].get(m))
                                                            for m in methods]), "",
            identity_line(results["identity"]), ""]
+    if results.get("fitted_vs_shipped"):
+        out += [fitted_line(results["fitted_vs_shipped"]), ""]
     for title, key, digits in (("Tokens/s (median over prompts)", "tokens_per_s", 1), ("Speed-up vs plain", "speedup_vs_plain", 2),
-                               ("Speed-up vs hf", "speedup_vs_hf", 2), ("Mean accepted length (tau)", None, 2)):
-        rows = [[c] + [_fmt(summary[c][m].get("mean_accepted_length") if key is None else summary[c][m][key]["median"], digits)
-                       for m in methods] for c in cats]
+                               ("Speed-up vs hf", "speedup_vs_hf", 2), ("Speed-up vs llama.cpp", "speedup_vs_llama.cpp", 2),
+                               ("Mean accepted length (tau)", None, 2)):
+        if key is not None and not any(key in summary["overall"][m] for m in methods):
+            continue  # no llama.cpp in this run
+        rows = [[c] + [_fmt(summary[c][m].get("mean_accepted_length") if key is None else summary[c][m].get(key, {}).get("median"),
+                            digits) for m in methods] for c in cats]
         out += [f"## {title}", "", markdown_table(["category", *methods], rows), ""]
     depth = [[m, " ".join(_fmt(a) for a in summary["overall"][m]["acceptance_per_depth"])]
              for m in methods if summary["overall"][m].get("acceptance_per_depth")]

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 
-from .config import BASELINE, REFERENCE
+from .config import BASELINE, LLAMACPP, REFERENCE, SHIPPED
 from .methods import Record
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -74,9 +74,10 @@ def summarize_group(records: list[Record], method: str) -> dict:
     for r in mine:
         tps.setdefault(r.prompt, []).append(r.tokens_per_s)
     out = {"prompts": len(tps), "tokens_per_s": _spread([float(np.median(v)) for v in tps.values()])}
-    for ref in (REFERENCE, BASELINE):
+    for ref in (REFERENCE, BASELINE, LLAMACPP):
         ratios = list(per_prompt_speedups(records, method, ref).values()) if method != ref else []
-        out[f"speedup_vs_{ref}"] = _spread(ratios)
+        if ref != LLAMACPP or ratios:  # llama.cpp: only in a run that has it
+            out[f"speedup_vs_{ref}"] = _spread(ratios)
     lengths = [n for r in mine for n in (r.accepted_lengths or [])]
     if lengths:
         steps = len(lengths)
@@ -84,6 +85,16 @@ def summarize_group(records: list[Record], method: str) -> dict:
         out["mean_accepted_length"] = sum(lengths) / steps
         out["accepted_length_hist"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         out["acceptance_per_depth"] = [d / steps for d in depth]
+    return out
+
+
+def fitted_vs_shipped(records: list[Record], methods: list[str]) -> dict[str, dict]:
+    """For each method run both fitted to this machine and as shipped (`X` and `X@shipped`): the
+    per-prompt ratios of their tokens/s (fitted / shipped), paired within each prompt and round."""
+    out = {}
+    for m in methods:
+        if m + SHIPPED in methods:
+            out[m] = _spread(list(per_prompt_speedups(records, m, m + SHIPPED).values()))
     return out
 
 

@@ -80,8 +80,32 @@ class Drafter:
     def default_budget(self) -> int:
         return max(self.tree_sizes())
 
+    def acceptance(self) -> dict[int, float] | None:
+        """budget -> expected accepted length per step (bonus included), measured on held-out
+        data and shipped with the checkpoint: what costs.fit_to_machine chooses a budget from
+        (None: unknown, the drafter keeps its own budget)."""
+        return None
+
+    def set_budget(self, budget: int) -> None:
+        """Make `budget` (nodes, root included) its own budget from now on."""
+        raise MedusaError(f"a {self.kind} drafter has no budget to set")
+
     def describe(self) -> str:
         return "plain"
+
+
+ACCEPTANCE_NAME = "acceptance.json"  # a checkpoint's acceptance statistics (medusa calibrate)
+
+
+def read_acceptance(folder: str | Path | None) -> dict[int, float] | None:
+    """A checkpoint's acceptance.json -> {budget: expected accepted length}, or None."""
+    if folder is None or not (Path(folder) / ACCEPTANCE_NAME).is_file():
+        return None
+    try:
+        raw = json.loads((Path(folder) / ACCEPTANCE_NAME).read_text())
+        return {int(b): float(tau) for b, tau in raw["expected_tau"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MedusaError(f"{Path(folder) / ACCEPTANCE_NAME} is not a valid acceptance file: {e}") from None
 
 
 @dataclass(frozen=True)

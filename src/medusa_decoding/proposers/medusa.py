@@ -8,6 +8,7 @@ Glossary: K heads, N tree nodes (root first), D hidden size, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -52,8 +53,10 @@ class MedusaDrafter(Drafter):
         weight = self.lm_head.weight
         self.weights = heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
         source = getattr(heads, "source", None)  # the checkpoint folder, when loaded from one
-        if tree is None and source is not None and (Path(source) / TREE_NAME).is_file():
-            tree = Path(source) / TREE_NAME
+        self.accuracy = None  # [K][R] from the heads' calibration: head k's rank-r hit rate
+        if source is not None and (Path(source) / TREE_NAME).is_file():
+            self.accuracy = _accuracy(Path(source) / TREE_NAME)
+            tree = Path(source) / TREE_NAME if tree is None else tree
         self.tree = fit_tree(tree, heads.num_heads, budget)
         self.tree = self.tree.to(weight.device)
         self._cut: dict[int, TreeBuffers | DynamicTree] = {}
@@ -78,12 +81,41 @@ class MedusaDrafter(Drafter):
     def proposer(self) -> MedusaProposer:
         return MedusaProposer(self)
 
+    def acceptance(self) -> dict[int, float] | None:
+        """A static tree cut to b nodes keeps its first b - 1 paths; each is accepted with the
+        product of its ranks' accuracies (Medusa's estimate, as `medusa calibrate` fits trees)."""
+        if self.dynamic or self.accuracy is None:
+            return None
+        acc, tau, out = self.accuracy, 1.0, {}
+        for b, path in enumerate(self.tree.paths, start=2):
+            p = 1.0
+            for depth, rank in enumerate(path):
+                p *= acc[depth][rank] if depth < len(acc) and rank < len(acc[depth]) else 0.0
+            tau += p
+            out[b] = tau
+        return out
+
+    def set_budget(self, budget: int) -> None:
+        if self.dynamic:
+            self.tree = dataclasses.replace(self.tree, budget=budget)
+        else:
+            self.tree = self.tree_for(budget)
+        self._cut = {}
+
     def tree_sizes(self) -> set[int]:
         return {self.tree.budget if self.dynamic else self.tree.num_nodes}
 
     def describe(self) -> str:
         return f"medusa (dynamic {self.tree.budget}-node tree)" if self.dynamic else \
             f"medusa ({self.tree.num_nodes}-node tree)"
+
+
+def _accuracy(path: Path) -> list[list[float]] | None:
+    try:
+        accuracy = json.loads(path.read_text()).get("accuracy")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return accuracy if isinstance(accuracy, list) and accuracy and isinstance(accuracy[0], list) else None
 
 
 class MedusaProposer(Proposer):

@@ -14,7 +14,7 @@ import torch
 from .. import drafters
 from ..config import MedusaError
 from ..tree import tree_from_parents
-from . import Drafter, Proposal, Proposer
+from . import Drafter, Proposal, Proposer, read_acceptance
 
 
 class PathDrafter(Drafter):
@@ -34,9 +34,18 @@ class PathDrafter(Drafter):
         self.budget = budget or cfg.draft_budget
         if budget is not None and budget < 2:
             raise MedusaError(f"a drafted tree needs a budget of at least 2 nodes, got {budget}")
+        self.source = getattr(module, "source", None)  # the checkpoint folder, when loaded from one
 
     def tree_sizes(self) -> set[int]:
         return {self.budget}
+
+    def acceptance(self) -> dict[int, float] | None:
+        return read_acceptance(self.source)
+
+    def set_budget(self, budget: int) -> None:
+        if budget < 2:
+            raise MedusaError(f"a drafted tree needs a budget of at least 2 nodes, got {budget}")
+        self.budget = budget
 
     def describe(self) -> str:
         return f"{self.kind} (drafted {self.budget}-node tree)"
@@ -67,4 +76,6 @@ class PathProposer(Proposer):
 
 
 def load(folder: Path, base_model):
-    return drafters.from_pretrained(folder, base_model)
+    module = drafters.from_pretrained(folder, base_model)
+    module.source = folder  # where its acceptance.json may be
+    return module

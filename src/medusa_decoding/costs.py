@@ -1,0 +1,254 @@
+"""The machine's side of calibration: what verifying and drafting cost where the model runs.
+
+Glossary: n nodes verified in one step (root included), b a drafter's budget (the nodes of its
+tree, root included), L nodes of the n-gram chain, t(n) the wall time of verifying n nodes.
+
+A budget's expected speed-up over plain decoding is
+
+    tau(b) / (t(b + L) / t(1) + draft(b) / t(1))
+
+tau(b), the expected accepted length, belongs to the drafter: it is measured on held-out data
+by `medusa calibrate` and ships with the checkpoint (`Drafter.acceptance`). The two costs belong
+to the machine (CPU model and its instruction sets, threads, device, dtype, verifier): they are
+measured here, the first time this machine meets a model and a drafter, in seconds, and cached
+under $MEDUSA_CACHE/calibration, one file per machine fingerprint. The checkpoint's own budget
+is only the fallback, for a drafter without acceptance statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .models import cache_dir, cpu_info
+from .tree import build_tree
+from .verifiers.transformers import TransformersVerifier
+
+BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration chooses among
+PREFIX = 256  # cached tokens before the measured steps: a typical chat prompt
+REPEATS = 5  # timed rounds, interleaved over sizes (one more warms up)
+VERSION = 1  # of the cached file's layout
+
+
+def fingerprint(model) -> dict:
+    """What a cost curve depends on. model: a MedusaModel."""
+    device = model.device
+    if device.type == "cuda":
+        cpu, isa = torch.cuda.get_device_name(device), []
+    else:
+        cpu, isa = cpu_info()
+    return {"model": model.name, "dtype": str(model.base.dtype).removeprefix("torch."), "device": device.type,
+            "processor": cpu, "isa": isa, "threads": torch.get_num_threads(),
+            "verifier": model.backend.stats()["backend"], "attention": model.base.config._attn_implementation,
+            "torch": torch.__version__, "version": VERSION}
+
+
+def drafter_key(drafter) -> str:
+    """A drafter's cost depends on its architecture and drafting options, not on its weights."""
+    config = getattr(drafter.weights, "config", None)
+    described = asdict(config) if config is not None and hasattr(config, "__dataclass_fields__") else {}
+    described.update(kind=drafter.kind, depth=getattr(drafter, "depth", None), width=getattr(drafter, "width", None))
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@dataclass
+class CostCurve:
+    """One machine's costs, relative to a one-token verification step."""
+
+    fingerprint: dict
+    step_s: float  # t(1) in seconds
+    verify: dict[int, float]  # n -> t(n) / t(1)
+    draft: dict[str, dict[int, float]] = field(default_factory=dict)  # drafter_key -> b -> draft(b) / t(1)
+    measured_s: float = 0.0  # seconds the measurements took, all together
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostCurve:
+        return cls(fingerprint=data["fingerprint"], step_s=data["step_s"],
+                   verify={int(n): v for n, v in data["verify"].items()},
+                   draft={k: {int(b): v for b, v in d.items()} for k, d in data.get("draft", {}).items()},
+                   measured_s=data.get("measured_s", 0.0))
+
+
+def cache_path(fp: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return (root or cache_dir() / "calibration") / f"{digest}.json"
+
+
+def load_curve(path: Path, fp: dict) -> CostCurve | None:
+    """The cached curve, if it was measured on this very fingerprint (else None: measure again)."""
+    try:
+        curve = CostCurve.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return curve if curve.fingerprint == fp else None
+
+
+def save_curve(curve: CostCurve, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(curve), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def verify_sizes(chain: int, budgets=BUDGETS) -> list[int]:
+    """The node counts a calibration measures: one token, and every budget with and without the chain."""
+    return sorted({1} | set(budgets) | {b + chain for b in budgets})
+
+
+@torch.inference_mode()
+def measure(model, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = REPEATS, progress=None,
+            verify: bool = True) -> tuple[float, dict[int, float], dict[int, float]]:
+    """-> (t(1) s, {n: t(n)/t(1)}, {b: draft(b)/t(1)}): medians over `repeats` interleaved rounds,
+    after a warm-up round, on a random prefix of PREFIX tokens, through the verifier and the
+    drafter the engine uses; nothing is committed. verify=False: t(1) and the drafting only.
+    progress(k): called after each timed call."""
+    device = model.device
+    verifier = TransformersVerifier(model.backend)
+    vocab = model.base.config.get_text_config().vocab_size
+    prefix = min(PREFIX, verifier.context_length - max(sizes) - 4)  # a short context leaves room for the trees
+    ids = torch.randint(0, vocab, (prefix,), device=device)
+    row, _, hidden = verifier.add(ids, max(sizes) + 2)
+    proposer = drafter.proposer() if drafter is not None else None
+    root = ids[-1]
+    if proposer is not None:
+        proposer.start(ids)
+    chains = {n: build_tree([], n - 1).to(device) for n in (sizes if verify else [1])}
+    times: dict[int, list[float]] = {n: [] for n in chains}
+    drafting: dict[int, list[float]] = {b: [] for b in (budgets if proposer is not None else ())}
+
+    def draft(b):  # what a step's drafting does: read the verified positions, then propose
+        proposer.observe(hidden[-2:], ids[-2:], None)
+        proposer.propose(root, b)
+
+    try:
+        for rep in range(repeats + 1):
+            for n, tree in chains.items():
+                tokens = torch.randint(0, vocab, (n,), device=device)
+                t = timed(lambda: verifier.verify([row], [tokens], [tree]), device)
+                if rep:  # the first round warms up
+                    times[n].append(t)
+                    progress and progress(1)
+            for b in drafting:
+                t = timed(lambda: draft(b), device)
+                if rep:
+                    drafting[b].append(t)
+                    progress and progress(1)
+    finally:
+        verifier.release(row)
+    step = statistics.median(times[1])
+    return (step, {n: statistics.median(t) / step for n, t in times.items()},
+            {b: statistics.median(t) / step for b, t in drafting.items()})
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    """curve at n: linear between measured sizes, proportional past the largest."""
+    sizes = sorted(curve)
+    if n <= sizes[0]:
+        return curve[sizes[0]]
+    for a, b in zip(sizes, sizes[1:]):
+        if a <= n <= b:
+            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    return curve[sizes[-1]] * n / sizes[-1]
+
+
+def choose_budget(acceptance: dict[int, float], verify: dict[int, float], draft: dict[int, float],
+                  chain: int = 0) -> tuple[int, list[dict]]:
+    """The budget (>= 2) of highest expected speed-up -> (budget, table of every budget, budget 1
+    being plain decoding at speed-up 1 for reference). acceptance: b -> tau(b); verify: n ->
+    t(n)/t(1); draft: b -> draft(b)/t(1); chain: nodes of the n-gram chain verified with every tree."""
+    table = [{"budget": 1, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}]
+    for b in sorted(acceptance):
+        if b < 2 or b not in draft:
+            continue
+        cost = interpolate(verify, b + chain) + draft[b]
+        table.append({"budget": b, "expected_tau": acceptance[b], "cost": cost,
+                      "expected_speedup": acceptance[b] / cost})
+    best = max(table[1:], key=lambda r: r["expected_speedup"])
+    return best["budget"], table
+
+
+@dataclass
+class Fit:
+    """What a calibration chose, and from what."""
+
+    budget: int | None  # None: the drafter keeps its own (nothing to choose from)
+    source: str  # "measured", "cached", "shipped", "given"
+    line: str  # the one line saying which calibration is in use
+    table: list[dict] = field(default_factory=list)
+    path: Path | None = None
+
+
+def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False) -> Fit:
+    """Choose the drafter's budget for this machine and set it. model: a MedusaModel. The cost
+    curve comes from the cache when this machine measured it before, else it is measured now
+    (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh: measure again."""
+    drafter = model.drafter
+    if drafter is None:
+        return Fit(None, "given", "calibration: none needed (plain decoding)")
+    acceptance = drafter.acceptance()
+    if not acceptance:
+        return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): it ships no "
+                   "acceptance statistics to choose a budget from (`medusa calibrate --heads DIR` measures them)")
+    if model.backend.compiled:
+        return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): timing a compiled "
+                   "step at every size would compile each one (~30 s); fit the budget without --compile")
+    budgets = [b for b in BUDGETS if b in acceptance]
+    chain = model.ngram.length if model.ngram else 0
+    fp, key = fingerprint(model), drafter_key(drafter)
+    path = cache_path(fp, root)
+    curve = None if refresh else load_curve(path, fp)
+    sizes = verify_sizes(chain, budgets)
+    missing_sizes = curve is None or not set(sizes) <= set(curve.verify)
+    missing_draft = curve is None or key not in curve.draft or not set(budgets) <= set(curve.draft[key])
+    source = "cached"
+    if missing_sizes or missing_draft:
+        source = "measured"
+        calls = (REPEATS) * ((len(sizes) if missing_sizes else 1) + len(budgets))
+        bar = _bar(calls, "calibrating for this machine") if progress else None
+        t0 = time.perf_counter()
+        try:
+            step, verify, draft = measure(model, drafter, sizes, budgets, progress=bar.update if bar else None,
+                                          verify=missing_sizes)
+        finally:
+            if bar:
+                bar.close()
+        if curve is None or missing_sizes:
+            old = curve.draft if curve is not None and not missing_sizes else {}
+            curve = CostCurve(fp, step, verify, dict(old))
+        # drafting was timed against this run's t(1): rescale to the curve's own
+        curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
+        curve.measured_s += time.perf_counter() - t0
+        save_curve(curve, path)
+    budget, table = choose_budget(acceptance, curve.verify, curve.draft[key], chain)
+    best = next(r for r in table if r["budget"] == budget)
+    where = "measured now" if source == "measured" else "cached"
+    line = (f"calibration: {where} for {fp['processor']} ({fp['threads']} threads, {fp['dtype']}, "
+            f"{fp['verifier']}): {drafter.kind} budget {budget} (expected tau {best['expected_tau']:.2f}, "
+            f"x{best['expected_speedup']:.2f} of plain) [{path}]")
+    if best["expected_speedup"] < 1:
+        line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
+    drafter.set_budget(budget)
+    return Fit(budget, source, line, table, path)
+
+
+def _bar(total: int, label: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, file=sys.stderr, leave=False, unit="step")

@@ -1,0 +1,167 @@
+"""Calibration where the model runs: the budget chosen from the drafter's acceptance and this
+machine's costs, the cost curve cached per machine fingerprint, acceptance by budget measured
+from one run at the largest budget."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_decoding import calibrate as cal
+from medusa_decoding import costs, drafters, proposers
+from medusa_decoding.engine import MedusaModel
+
+from conftest import byte_tokenizer, random_heads, run_cli, save_tiny
+from test_drafters import OracleHydra, make, prompts, run
+
+ACCEPT = {2: 1.6, 3: 1.9, 4: 2.1, 6: 2.4, 8: 2.6, 12: 2.8, 16: 2.95, 24: 3.1, 32: 3.2}
+
+
+def test_a_flat_cost_curve_chooses_a_large_tree_and_a_steep_one_a_small_tree():
+    draft = dict.fromkeys(ACCEPT, 0.05)
+    flat = {1: 1.0, 8: 1.02, 16: 1.04, 32: 1.08, 48: 1.1}  # a 16-row block costs what one row costs (AMX)
+    steep = {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.5, 16: 6.0, 32: 11.0, 48: 16.0}  # few-row kernels grow fast
+    big, table = costs.choose_budget(ACCEPT, flat, draft)
+    small, _ = costs.choose_budget(ACCEPT, steep, draft)
+    assert big == 32 and small == 2
+    assert table[0] == {"budget": 1, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}
+    # the n-gram chain is verified with every tree: its nodes count in the cost
+    with_chain, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=8)
+    alone, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=0)
+    assert with_chain < alone
+    # a costly drafter shrinks the budget too
+    dear, _ = costs.choose_budget(ACCEPT, flat, {b: 0.1 * b for b in ACCEPT})
+    assert dear < big
+
+
+def saved_hydra(model, folder, acceptance=ACCEPT):
+    make("hydra", model, seed=8).save_pretrained(folder)
+    if acceptance is not None:
+        (folder / proposers.ACCEPTANCE_NAME).write_text(json.dumps({"expected_tau": acceptance}))
+    return MedusaModel(model, byte_tokenizer(), heads=proposers.load(folder, model))
+
+
+def test_the_cost_curve_is_cached_per_machine_fingerprint(model, tmp_path, monkeypatch):
+    m = saved_hydra(model, tmp_path / "d")
+    calls = []
+    real = costs.measure
+
+    def counting(*args, **kw):
+        calls.append(kw.get("verify", True))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(costs, "measure", counting)
+    first = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert first.source == "measured" and calls == [True] and first.path.is_file()
+    assert m.drafter.budget == first.budget and "measured now" in first.line
+    saved = json.loads(first.path.read_text())
+    assert saved["fingerprint"] == costs.fingerprint(m) and set(costs.verify_sizes(0)) <= set(map(int, saved["verify"]))
+
+    again = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert again.source == "cached" and len(calls) == 1 and again.budget == first.budget and "cached" in again.line
+
+    # another CPU (or thread count, dtype, verifier ...) is another machine: measured again, its own file
+    monkeypatch.setattr(costs, "cpu_info", lambda: ("Another CPU", ["avx2"]))
+    other = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert other.source == "measured" and len(calls) == 2 and other.path != first.path
+
+    # the same machine with another drafter architecture: only the drafting is measured
+    m2 = MedusaModel(model, byte_tokenizer(), heads=proposers.load(tmp_path / "d", model))
+    m2.drafter.width = 2
+    third = costs.fit_to_machine(m2, root=tmp_path / "cache", progress=False)
+    assert third.source == "measured" and calls[-1] is False and third.path == other.path
+    assert len(json.loads(other.path.read_text())["draft"]) == 2
+
+    refreshed = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False, refresh=True)
+    assert refreshed.source == "measured" and calls[-1] is True
+
+
+def test_a_checkpoint_without_acceptance_keeps_its_own_budget(model, tmp_path):
+    m = saved_hydra(model, tmp_path / "d", acceptance=None)
+    own = m.drafter.budget
+    fit = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert fit.source == "shipped" and fit.budget is None and m.drafter.budget == own
+    assert "no acceptance statistics" in fit.line and not (tmp_path / "cache").exists()
+
+
+def test_acceptance_by_budget_from_one_run_at_the_largest_budget(model, tmp_path):
+    """The largest budget's figure is that run's own mean accepted length; smaller budgets keep
+    fewer of its accepted nodes (never more); an oracle drafter gains from a bigger tree."""
+    prompt = [10, 20, 30, 40, 50]
+    ref, _ = run(model, prompt, None, max_new_tokens=60)
+    with torch.no_grad():
+        known = model.get_decoder()(input_ids=torch.tensor([prompt + ref])).last_hidden_state[0]
+    config = drafters.DrafterConfig(drafter="hydra", hidden_size=64, vocab_size=model.config.vocab_size,
+                                    shortlist_size=model.config.vocab_size, num_heads=4, inner_size=32)
+    oracle = OracleHydra(config).setup(known, hit=0.5)
+    m = MedusaModel(model, byte_tokenizer(), heads=oracle)
+    result = cal.acceptance_curve(m, [torch.tensor([prompt])], max_new_tokens=60, budgets=(2, 4, 8, 16))
+    tau = result["expected_tau"]
+    assert list(tau) == [2, 4, 8, 16]
+    assert all(a <= b for a, b in zip(tau.values(), list(tau.values())[1:]))
+    assert tau[2] <= 2.0 and tau[16] > tau[2]
+    oracle.setup(known, hit=0.5)  # the same random hits again
+    _, stats = run(model, prompt, oracle, max_new_tokens=60, budget=16)
+    assert tau[16] == pytest.approx(stats.mean_accepted_length)
+    cal.save_acceptance(result, tmp_path)
+    assert proposers.read_acceptance(tmp_path) == pytest.approx(tau)
+
+
+def test_medusa_acceptance_follows_the_tree_paths_and_heads_accuracy(model, tmp_path):
+    heads = random_heads(model, num_heads=2)
+    heads.save_pretrained(tmp_path)
+    (tmp_path / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [1]], "accuracy": [[0.5, 0.1], [0.6, 0.1]]}))
+    m = MedusaModel(model, byte_tokenizer(), heads=proposers.load(tmp_path, model))
+    assert m.drafter.tree.paths == ((0,), (1,), (0, 0))  # the tree's order, in which a budget cuts it
+    assert m.drafter.acceptance() == pytest.approx({2: 1.5, 3: 1.6, 4: 1.9})  # + 0.5, 0.1, 0.5 * 0.6
+    m.drafter.set_budget(3)
+    assert m.drafter.tree.paths == ((0,), (1,)) and m.drafter.acceptance() == pytest.approx({2: 1.5, 3: 1.6})
+
+
+def test_cli_generate_says_which_calibration_is_in_use(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    folder, _ = save_tiny(tmp_path_factory, with_heads=False)
+    from conftest import tiny_llama
+
+    saved_hydra(tiny_llama(), tmp_path / "d")
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    args = ("generate", "-p", "hello", "--model", folder, "--heads", tmp_path / "d", "-n", "8", "--dtype", "float32")
+    code, _, err = run_cli(capsys, monkeypatch, *args)
+    assert code == 0 and "calibration: measured now" in err
+    code, _, err = run_cli(capsys, monkeypatch, *args)
+    assert code == 0 and "calibration: cached" in err
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--calibration", "shipped")
+    assert code == 0 and "calibration:" not in err
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--calibration", "often")
+    assert code == 2 and "unknown calibration 'often'" in err
+
+
+def test_the_recorder_counts_what_each_smaller_tree_would_have_kept():
+    """Nodes 1, 2 at depth 1 and 3, 4 under node 1, scored -0.1, -0.5, -0.3, -0.9: the 2-node tree
+    keeps node 1, the 3-node tree nodes 1 and 3. Accepting 1 then 3: 1, 2, 2, 2 accepted nodes."""
+    from medusa_decoding.proposers import Proposal, Proposer
+    from medusa_decoding.tree import tree_from_parents
+
+    class Fixed(Proposer):
+        def propose(self, root, budget=None):
+            tree = tree_from_parents(torch.tensor([-1, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 2, 2]), 2)
+            return Proposal(torch.arange(5), tree, score=torch.tensor([0.0, -0.1, -0.5, -0.3, -0.9]))
+
+    counts = dict.fromkeys((2, 3, 4, 5), 0) | {"steps": 0}
+    recorder = cal._Recorder(Fixed(), [2, 3, 4, 5], counts)
+    recorder.propose(torch.tensor(0))
+    recorder.observe(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 3]))
+    recorder.propose(torch.tensor(0))
+    recorder.observe(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), torch.tensor([0, 2]))  # rank 2
+    assert counts == {2: 1, 3: 2, 4: 3, 5: 3, "steps": 2}
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_in_hardware(monkeypatch):
+    from medusa_decoding import models
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
+    assert models.resolve_dtype("auto", cpu) == torch.float32
+    for flags in (["avx2", "avx512f", "avx512_bf16"], ["avx2", "amx_bf16", "amx_int8"]):
+        monkeypatch.setattr(models, "cpu_info", lambda flags=flags: ("bf16 CPU", flags))
+        assert models.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert models.resolve_dtype("float32", cpu) == torch.float32  # asked for: kept
