@@ -165,3 +165,26 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_in_hardware(monkeypatch)
         monkeypatch.setattr(models, "cpu_info", lambda flags=flags: ("bf16 CPU", flags))
         assert models.resolve_dtype("auto", cpu) == torch.bfloat16
     assert models.resolve_dtype("float32", cpu) == torch.float32  # asked for: kept
+
+
+def test_cli_calibrate_a_drafter_saves_its_acceptance_and_fits_this_machine(tmp_path_factory, tmp_path, capsys,
+                                                                           monkeypatch):
+    from conftest import tiny_llama
+
+    folder, _ = save_tiny(tmp_path_factory, with_heads=False)
+    saved_hydra(tiny_llama(), tmp_path / "d", acceptance=None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "count from 7"}\n{"prompt": "abc abc"}\n')
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, monkeypatch, "calibrate", "--heads", tmp_path / "d", "--model", folder, "--prompts",
+                             prompts, "--limit", "2", "--max-new-tokens", "12", "--out", tmp_path / "o",
+                             "--dtype", "float32")
+    assert code == 0, err
+    accepted = json.loads((tmp_path / "o" / proposers.ACCEPTANCE_NAME).read_text())
+    assert accepted["prompts"] == 2 and set(map(int, accepted["expected_tau"])) == set(costs.BUDGETS)
+    assert not (tmp_path / "d" / proposers.ACCEPTANCE_NAME).exists()  # --out: the source is left alone
+    assert "<- chosen" in out and "calibration: measured now" in err
+    # generate with the calibrated copy reads its acceptance and the cached costs
+    code, _, err = run_cli(capsys, monkeypatch, "generate", "-p", "hi", "--model", folder, "--heads", tmp_path / "o",
+                           "-n", "4", "--dtype", "float32")
+    assert code == 0 and "calibration: cached" in err

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .config import DEFAULT_MODEL, Calibration, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from .config import DEFAULT_MODEL, CalibrationMode, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
@@ -26,7 +26,7 @@ CompileOpt = typer.Option(False, "--compile", help="torch.compile the verificati
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
 NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
-CalibrationOpt = typer.Option(Calibration.AUTO.value, "--calibration", help="The drafter's budget: auto (fitted to this machine from its verify and drafting costs, measured once in ~10-30 s and cached under $MEDUSA_CACHE), refresh (measure again) or shipped (the checkpoint's own).")
+CalibrationOpt = typer.Option(CalibrationMode.AUTO.value, "--calibration", help="The drafter's budget: auto (fitted to this machine from its verify and drafting costs, measured once in ~10-30 s and cached under $MEDUSA_CACHE), refresh (measure again) or shipped (the checkpoint's own).")
 NoMedusaOpt = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline).")
 
 
@@ -37,13 +37,13 @@ def fail(message: str) -> None:
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
                ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False, exact: bool = False,
-               calibration: str = Calibration.AUTO.value):
+               calibration: str = CalibrationMode.AUTO.value):
     """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
     the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
     machine unless a tree or budget is given or --calibration shipped."""
     from .engine import MedusaModel, shipped_heads
 
-    mode = Calibration.parse(calibration)
+    mode = CalibrationMode.parse(calibration)
 
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
@@ -59,8 +59,8 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     m = MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
                                     ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
                                     compile=compile, attn_implementation="exact" if exact else "auto")
-    if m.drafter is not None and tree is None and tree_budget is None and mode != Calibration.SHIPPED:
-        typer.echo(m.fit_to_machine(refresh=mode == Calibration.REFRESH).line, err=True)
+    if m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED:
+        typer.echo(m.fit_to_machine(refresh=mode == CalibrationMode.REFRESH).line, err=True)
     return m
 
 

@@ -44,7 +44,7 @@ class DrafterKind(str, enum.Enum):
             raise MedusaError(f"unknown drafter {value!r}; use one of {names}") from None
 
 
-class Calibration(str, enum.Enum):
+class CalibrationMode(str, enum.Enum):
     """Where a drafter's budget comes from (costs.fit_to_machine)."""
 
     AUTO = "auto"  # fitted to this machine: its cached cost curve, measured first if there is none
@@ -52,7 +52,7 @@ class Calibration(str, enum.Enum):
     SHIPPED = "shipped"  # the checkpoint's own budget, as calibrated where it was trained
 
     @classmethod
-    def parse(cls, value) -> Calibration:
+    def parse(cls, value) -> CalibrationMode:
         try:
             return cls(value)
         except ValueError:

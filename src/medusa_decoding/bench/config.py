@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..config import DEFAULT_MODEL, Calibration, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from ..config import DEFAULT_MODEL, CalibrationMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 
 log = logging.getLogger("medusa_decoding.bench")
 
@@ -53,7 +53,7 @@ class BenchConfig:
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
     compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
-    calibration: str = Calibration.AUTO.value  # drafter budgets: fitted to this machine, or the shipped ones
+    calibration: str = CalibrationMode.AUTO.value  # drafter budgets: fitted to this machine, or the shipped ones
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -79,7 +79,7 @@ class BenchConfig:
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
                                   f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
                                   f"any but hf*/{LLAMACPP} with {EXACT}")
-        self.calibration = Calibration.parse(self.calibration).value
+        self.calibration = CalibrationMode.parse(self.calibration).value
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
         if self.batch_sizes is not None and (not self.batch_sizes or any(

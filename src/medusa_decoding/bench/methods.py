@@ -14,7 +14,7 @@ import torch
 
 from .. import proposers
 from ..attention import register_attention
-from ..config import Calibration, DrafterKind, MedusaError, NgramConfig
+from ..config import CalibrationMode, DrafterKind, MedusaError, NgramConfig
 from .config import EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, BenchConfig
 from .prompts import Prompt
 
@@ -212,8 +212,8 @@ def build_methods(cfg: BenchConfig):
     def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False) -> MedusaModel:
         model = MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
                             ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
-        if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != Calibration.SHIPPED:
-            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == Calibration.REFRESH).line)
+        if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != CalibrationMode.SHIPPED:
+            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == CalibrationMode.REFRESH).line)
         return model
 
     fitted_default: dict[bool, MedusaModel] = {}
