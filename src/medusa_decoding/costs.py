@@ -242,7 +242,9 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     line = (f"calibration: {where} for {fp['processor']} ({fp['threads']} threads, {fp['dtype']}, "
             f"{fp['verifier']}): {drafter.kind} budget {budget} (expected tau {best['expected_tau']:.2f}, "
             f"x{best['expected_speedup']:.2f} of plain) [{path}]")
-    if best["expected_speedup"] < 1:
+    if chain:  # what the chain's copies add is not in tau(b): it depends on the prompt
+        line = line.replace(" of plain)", " of plain before the n-gram branch's own gain)")
+    elif best["expected_speedup"] < 1:
         line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
     drafter.set_budget(budget)
     return Fit(budget, source, line, table, path)
