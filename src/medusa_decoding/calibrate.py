@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .costs import BUDGETS, interpolate, timed
+from .costs import BUDGETS, interpolate, measure, timed
+from .drafters import keep_order
 from .proposers import ACCEPTANCE_NAME, Drafter, Proposer
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
@@ -84,26 +85,11 @@ def best_trees(accuracy: list[list[float]], max_nodes: int) -> list[tuple[tuple[
     return chosen
 
 
-@torch.inference_mode()
 def verify_latency(backend, sizes=SIZES, prefix_len: int = 256, repeats: int = 9) -> dict[int, float]:
     """t(n) / t(1): median wall time of one verification step of n tree tokens after a prefix of
     prefix_len cached tokens, through the verifier the engine uses (backend: a verifiers backend),
-    sizes interleaved so drift hits all alike. Nothing is committed: each step overwrites the last."""
-    verifier = TransformersVerifier(backend)
-    device = backend.device
-    vocab = backend.model.config.get_text_config().vocab_size
-    row, _, _ = verifier.add(torch.randint(0, vocab, (prefix_len,), device=device), max(sizes) + 1)
-    chain = {n: build_tree([], n - 1).to(device) for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(repeats + 1):
-        for n in sizes:
-            tokens = torch.randint(0, vocab, (n,), device=device)
-            t = timed(lambda: verifier.verify([row], [tokens], [chain[n]]), device)
-            if rep:  # the first round warms up
-                times[n].append(t)
-    verifier.release(row)
-    base = statistics.median(times[1])
-    return {n: statistics.median(times[n]) / base for n in sizes}
+    sizes interleaved so drift hits all alike (costs.measure, without a drafter)."""
+    return measure(backend, None, sorted(set(sizes) | {1}), (), repeats, prefix=prefix_len)[1]
 
 
 @torch.inference_mode()
@@ -205,8 +191,7 @@ class _Recorder(Proposer):
         p = self.inner.propose(root, max(self.budgets))
         self.rank = None
         if p is not None and p.score is not None:
-            ranked = p.score[1:] - 1e-4 * p.tree.depth[1:].float()  # drafters.grow_tree's order
-            order = ranked.argsort(descending=True)
+            order = keep_order(p.score[1:], p.tree.depth[1:]).argsort(descending=True)
             rank = torch.empty_like(order)
             rank[order] = torch.arange(len(order), device=order.device)
             self.rank = torch.cat([rank.new_full((1,), -1), rank])

@@ -113,16 +113,16 @@ def verify_sizes(chain: int, budgets=BUDGETS) -> list[int]:
 
 
 @torch.inference_mode()
-def measure(model, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = REPEATS, progress=None,
-            verify: bool = True) -> tuple[float, dict[int, float], dict[int, float]]:
+def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = REPEATS, progress=None,
+            verify: bool = True, prefix: int = PREFIX) -> tuple[float, dict[int, float], dict[int, float]]:
     """-> (t(1) s, {n: t(n)/t(1)}, {b: draft(b)/t(1)}): medians over `repeats` interleaved rounds,
-    after a warm-up round, on a random prefix of PREFIX tokens, through the verifier and the
-    drafter the engine uses; nothing is committed. verify=False: t(1) and the drafting only.
-    progress(k): called after each timed call."""
-    device = model.device
-    verifier = TransformersVerifier(model.backend)
-    vocab = model.base.config.get_text_config().vocab_size
-    prefix = min(PREFIX, verifier.context_length - max(sizes) - 4)  # a short context leaves room for the trees
+    after a warm-up round, on a random prefix of `prefix` tokens, through the verifier backend and
+    the drafter (None: none) the engine uses; nothing is committed. verify=False: t(1) and the
+    drafting only. progress(k): called after each timed call."""
+    device = backend.device
+    verifier = TransformersVerifier(backend)
+    vocab = backend.model.config.get_text_config().vocab_size
+    prefix = min(prefix, verifier.context_length - max(sizes) - 4)  # a short context leaves room for the trees
     ids = torch.randint(0, vocab, (prefix,), device=device)
     row, _, hidden = verifier.add(ids, max(sizes) + 2)
     proposer = drafter.proposer() if drafter is not None else None
@@ -224,14 +224,13 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
         bar = _bar(calls, "calibrating for this machine") if progress else None
         t0 = time.perf_counter()
         try:
-            step, verify, draft = measure(model, drafter, sizes, budgets, progress=bar.update if bar else None,
-                                          verify=missing_sizes)
+            step, verify, draft = measure(model.backend, drafter, sizes, budgets,
+                                          progress=bar.update if bar else None, verify=missing_sizes)
         finally:
             if bar:
                 bar.close()
-        if curve is None or missing_sizes:
-            old = curve.draft if curve is not None and not missing_sizes else {}
-            curve = CostCurve(fp, step, verify, dict(old))
+        if missing_sizes:  # a new curve: drafting measured against another t(1) is dropped with the old one
+            curve = CostCurve(fp, step, verify)
         # drafting was timed against this run's t(1): rescale to the curve's own
         curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
         curve.measured_s += time.perf_counter() - t0

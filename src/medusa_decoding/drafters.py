@@ -72,6 +72,12 @@ class DraftTree:
     max_depth: int
 
 
+def keep_order(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """What grow_tree keeps the most of: a node's cumulative log-prob, ties going to the shallower
+    node (calibrate's acceptance by budget ranks nodes by the same key)."""
+    return score - 1e-4 * depth.float()
+
+
 def grow_tree(first: torch.Tensor, expand, width: int, depth: int, budget: int) -> tuple[torch.Tensor, ...]:
     """EAGLE-2's rule on any drafter.
 
@@ -99,7 +105,7 @@ def grow_tree(first: torch.Tensor, expand, width: int, depth: int, budget: int) 
         frontier, frontier_score = n + best, cum[best]
         n += cum.numel()
     score_all, depth_all = torch.cat(scores), torch.cat(depths)
-    ranked = score_all[1:] - 1e-4 * depth_all[1:].float()  # ties go to the shallower node
+    ranked = keep_order(score_all[1:], depth_all[1:])
     keep = ranked.topk(min(budget - 1, n - 1)).indices.sort().values + 1  # parents first
     nodes = torch.cat([keep.new_zeros(1), keep])  # [N]
     remap = torch.full((n,), -1, dtype=torch.long, device=device)

@@ -136,5 +136,4 @@ def llamacpp_method(model, gguf: Path) -> Generate:
         wall = time.perf_counter() - t0
         return Turn(new, model.tokenizer.decode(new, skip_special_tokens=True), wall)
 
-    generate.runner = runner  # kept alive with the method
     return generate
