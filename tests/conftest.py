@@ -150,8 +150,9 @@ def decode(model, input_ids, heads, tree, generation, sampling, eos_token_ids, s
     drafter = None
     if heads is not None:
         drafter = proposers.wrap(heads, model, tree if heads.kind == "medusa" else None, draft_budget)
-    verifier = TransformersVerifier(backend or EagerBackend(model))
-    decoder = Decoder(verifier, Method(drafter, ngram), eos_token_ids)
+    method = Method(drafter, ngram)
+    verifier = TransformersVerifier(backend or EagerBackend(model), feature_layers=method.feature_layers)
+    decoder = Decoder(verifier, method, eos_token_ids)
     out = decoder.add(Request(input_ids, generation, sampling, stats=stats))
     yield out.tokens
     while not out.finished:

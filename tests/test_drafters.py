@@ -196,23 +196,28 @@ def test_eagle_tree_drafting_equals_a_plain_recompute(model):
             assert total == pytest.approx(float(draft.score[i]), abs=1e-4)
 
 
-def test_training_passes_see_what_tree_nodes_see(model):
+@pytest.mark.parametrize("passes,layers", [(3, None), (7, [1, 2])], ids=["eagle1-3-passes", "eagle3-fused-7-passes"])
+def test_training_passes_see_what_tree_nodes_see(model, passes, layers):
     """Unrolled pass a at position t (training) == a depth-(a+1) node at inference: the drafter
-    re-run causally on the true prefix up to t-a, then its own predicted features."""
-    drafter = make("eagle", model, seed=5, scale=1.0)
-    t_len = 10
+    re-run causally on the true prefix up to t-a, then its own predicted features. With fused
+    features (EAGLE-3), the true prefix is fused from several base layers; deeper nodes read the
+    drafter's own outputs."""
+    drafter = make("eagle", model, seed=5, scale=1.0, feature_layers=layers)
+    t_len = 12
     ids = torch.tensor(prompts(1, seed=6)[0][:3] + list(range(60, 60 + t_len)))[:t_len + 1]
     with torch.no_grad():
-        f = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0][:t_len]  # f_t
+        out = model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+        base = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else out.last_hidden_state[0]
+        f = drafter.from_base(base[:t_len])  # f_t, the drafter's input at verified positions
         tok = ids[1 : t_len + 1]  # x_{t+1}
         emb = model.get_input_embeddings()(tok)
         cache, x, outs = drafter.new_cache(), f[None], []
         pos = torch.arange(t_len)[None]
-        for a in range(3):
+        for a in range(passes):
             out = drafter(x, emb[None], pos, ttt_mask(t_len, a, torch.float32), cache)
             outs.append(out[0])
             x = torch.cat([x.new_zeros(1, 1, f.shape[1]), out[:, :-1]], dim=1)
-        for a in range(3):
+        for a in range(passes):
             for t in range(a, t_len):
                 feats = f[: t - a + 1]
                 for step in range(a):  # the chain of predicted features
@@ -222,6 +227,46 @@ def test_training_passes_see_what_tree_nodes_see(model):
                 n = len(feats)
                 ref = drafter(feats[None], emb[None, :n], torch.arange(n)[None], None)[0, -1]
                 torch.testing.assert_close(outs[a][t], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_eagle_drafts_from_the_verifiers_fused_features_and_stays_exact(model):
+    """A random EAGLE-3 drafter (fused layers 1 and 2) decodes token-identically to plain, and the
+    features its rows observe are the base's hidden states of those layers at those positions."""
+    drafter = make("eagle", model, seed=8, feature_layers=[1, 2])
+    seen = []
+    spec = proposers.wrap(drafter, model, budget=8)
+    assert spec.feature_layers == (1, 2)
+    for prompt in prompts(4, seed=9):
+        ref, _ = run(model, prompt, None)
+        out, stats = run(model, prompt, drafter)
+        assert out == ref and stats.steps < len(out)
+    prompt = prompts(1, seed=10)[0]
+    from medusa_decoding.engine import Decoder, Method, Request
+    from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
+
+    class Spy(type(spec.proposer())):
+        def observe(self, hidden, next_tokens, nodes):
+            seen.append(hidden.clone())
+            super().observe(hidden, next_tokens, nodes)
+
+    spec.proposer = lambda: Spy(spec)
+    method = Method(spec)
+    decoder = Decoder(TransformersVerifier(EagerBackend(model), feature_layers=method.feature_layers), method, {EOS})
+    first = decoder.add(Request(torch.tensor(prompt), GenerationConfig(max_new_tokens=20)))
+    tokens = list(first.tokens)
+    while True:
+        (o,) = decoder.step()
+        tokens += o.tokens
+        if o.finished:
+            break
+    with torch.no_grad():
+        hs = model.get_decoder()(input_ids=torch.tensor([prompt + tokens]), output_hidden_states=True).hidden_states
+    full = torch.cat([hs[1][0], hs[2][0]], -1)  # [T, 2 D]
+    got = torch.cat(seen)  # every verified position once, in order
+    assert got.shape[1] == 2 * model.config.hidden_size
+    torch.testing.assert_close(got, full[: got.shape[0]], atol=1e-4, rtol=1e-4)
+    with pytest.raises(MedusaError, match="the drafter reads"):
+        Decoder(TransformersVerifier(EagerBackend(model)), method, {EOS})
 
 
 # checkpoints, engine, training ---------------------------------------------------------------------

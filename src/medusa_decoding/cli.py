@@ -112,22 +112,30 @@ def generate(
 
 @app.command("distill-data")
 def distill_data(
-    out: Path = typer.Option(..., "--out", help="JSONL file to append to (resumable: done ids are skipped)."),
+    out: Path = typer.Option(..., "--out", help="Folder for features/, data.jsonl and manifest.json (resumable: rerun the same command to go on)."),
     model: str = ModelOpt,
     data: str = typer.Option("sharegpt", "--data", help="'sharegpt' or a JSON/JSONL file of ShareGPT-shaped records."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Stop when the file holds this many conversations."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Stop when the folder holds this many conversations."),
     max_new_tokens: int = typer.Option(DistillConfig.max_new_tokens, "--max-new-tokens"),
     temperature: float = typer.Option(DistillConfig.temperature, "--temperature", help="0: greedy answers, what greedy decoding will see."),
-    batch_size: int = typer.Option(DistillConfig.batch_size, "--batch-size"),
-    max_prompt_tokens: int = typer.Option(DistillConfig.max_prompt_tokens, "--max-prompt-tokens", help="Longer prompts are skipped (counted)."),
+    batch_size: int = typer.Option(DistillConfig.batch_size, "--batch-size", help="Sequences decoded together (continuous batching)."),
+    max_prompt_tokens: int = typer.Option(DistillConfig.max_prompt_tokens, "--max-prompt-tokens", help="Longer first prompts are skipped (counted)."),
+    turns: int = typer.Option(DistillConfig.turns, "--turns", help="User turns asked per conversation: follow-ups come after the model's own answers."),
+    max_length: int = typer.Option(DistillConfig.max_length, "--max-length", help="Prompt + answer tokens; a follow-up that would not fit is not asked."),
+    exclude: str = typer.Option("spec-bench,humaneval", "--exclude", help="Benchmark suites whose prompts no training prompt may match (exact or near duplicate); '' for none."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
-    """Self-distillation data: the base model's own answers to ShareGPT's user turns."""
-    from .data import distill
+    """Self-distillation data: the base model's own answers to ShareGPT's user turns, with its features."""
+    from .bench.prompts import load_suite
+    from .data import Contamination, distill
 
-    counts = distill(model, out, source=data, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
-                     batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, dtype=dtype, device=device)
+    cfg = DistillConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                        max_prompt_tokens=max_prompt_tokens, turns=turns, max_length=max_length)
+    texts = {f"{suite}:{p.id}:{i}": t for suite in filter(None, exclude.split(",")) for p in load_suite(suite.strip())
+             for i, t in enumerate(p.turns)}
+    index = Contamination(texts) if texts else None
+    counts = distill(model, out, source=data, limit=limit, cfg=cfg, exclude=index, dtype=dtype, device=device)
     typer.echo("; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), err=True)
 
 
@@ -283,10 +291,11 @@ def export(
 def train(
     out: Path = typer.Option(..., "--out", help="Folder for the heads, checkpoints, features, log.jsonl and metrics.json."),
     model: str = ModelOpt,
-    data: str = typer.Option(TrainConfig.data, "--data", help="'sharegpt' or a JSON/JSONL file (e.g. from distill-data)."),
+    data: str = typer.Option(TrainConfig.data, "--data", help="A distill-data folder (its recorded features are used: the base does not run), 'sharegpt' or a JSON/JSONL file."),
     drafter: str = typer.Option(TrainConfig.drafter, "--drafter", help="medusa: heads on h_t; hydra: heads that also read their branch's tokens; eagle: a one-layer feature drafter."),
     heads: int = typer.Option(TrainConfig.num_heads, "--heads", help="Number of heads K (hydra: the deepest level drafted)."),
-    unroll: int = typer.Option(TrainConfig.unroll, "--unroll", help="eagle: training passes on its own predicted features (depths trained)."),
+    recipe: str = typer.Option(TrainConfig.recipe, "--recipe", help="eagle: eagle1 (last-layer feature, + --feature-weight) or eagle3 (low/middle/last features fused, token loss only, 7 passes)."),
+    unroll: Optional[int] = typer.Option(TrainConfig.unroll, "--unroll", help="eagle: training passes on its own predicted features (depths trained); default: the recipe's (3 or 7)."),
     layers: int = typer.Option(TrainConfig.num_layers, "--layers", help="Residual blocks per head."),
     inner_size: int = typer.Option(TrainConfig.inner_size, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
     own_lm_head: bool = typer.Option(TrainConfig.own_lm_head, "--own-lm-head", help="Train an LM head per head (large) instead of sharing the base's."),
@@ -314,7 +323,7 @@ def train(
     from .train import metrics_table, train as run_training
 
     cfg = TrainConfig(
-        model=model, data=data, out=str(out), drafter=drafter, unroll=unroll, num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
+        model=model, data=data, out=str(out), drafter=drafter, recipe=recipe, unroll=unroll, num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
         targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, train_vocab=train_vocab, decay=decay, epochs=epochs, lr=lr,
         warmup_steps=warmup_steps, batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
         max_conversations=max_conversations, eval_conversations=eval_conversations, save_every=save_every,

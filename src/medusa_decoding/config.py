@@ -44,6 +44,18 @@ class DrafterKind(str, enum.Enum):
             raise MedusaError(f"unknown drafter {value!r}; use one of {names}") from None
 
 
+class EagleRecipe(str, enum.Enum):
+    """How an eagle drafter is trained (train.py)."""
+
+    EAGLE1 = "eagle1"  # the last layer's feature; token loss + feature regression; 3 unrolled passes
+    EAGLE3 = "eagle3"  # low, middle and last features fused; token loss only; 7 unrolled passes
+
+    @property
+    def unroll(self) -> int:
+        """Its default number of unrolled passes (training-time test)."""
+        return 7 if self is EagleRecipe.EAGLE3 else 3
+
+
 class CalibrationMode(str, enum.Enum):
     """Where a drafter's budget comes from (costs.fit_to_machine)."""
 
@@ -162,7 +174,8 @@ class TrainConfig:
     vocab_fraction: float = 1.0  # share of a batch's positions that pay the [V]-wide projection
     train_vocab: int = 0  # > 0: the vocabulary losses use only the most frequent label tokens
     decay: float = 0.8  # head k's (eagle: pass k's) loss is weighted decay**(k-1)
-    unroll: int = 3  # eagle: passes that read their own predicted features (training-time test)
+    recipe: str = "eagle1"  # eagle: "eagle1" or "eagle3" (fused features, token loss only), see EagleRecipe
+    unroll: int | None = None  # eagle: passes that read their own predicted features (None: the recipe's)
     epochs: float = 1.0  # passes over the training positions (fractions allowed)
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -182,6 +195,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.drafter = DrafterKind.parse(self.drafter).value
+        try:
+            recipe = EagleRecipe(self.recipe)
+        except ValueError:
+            raise MedusaError(f"unknown recipe {self.recipe!r}; use eagle1 or eagle3") from None
+        self.recipe = recipe.value
+        if recipe is EagleRecipe.EAGLE3 and self.drafter != DrafterKind.EAGLE.value:
+            raise MedusaError("the eagle3 recipe trains an eagle drafter (--drafter eagle)")
+        if recipe is EagleRecipe.EAGLE3 and self.feature_weight > 0:
+            raise MedusaError("the eagle3 recipe has no feature loss: leave --feature-weight at 0")
+        self.unroll = recipe.unroll if self.unroll is None else self.unroll
         if self.unroll < 1:
             raise MedusaError(f"unroll must be >= 1, got {self.unroll}")
         if self.targets not in ("tokens", "kd"):
@@ -224,5 +247,20 @@ class DistillConfig:
 
     max_new_tokens: int = 256  # per answer
     temperature: float = 0.0  # 0: greedy answers, what greedy decoding will see
-    batch_size: int = 48  # prompts generated together
-    max_prompt_tokens: int = 256  # longer prompts are skipped (counted)
+    batch_size: int = 128  # sequences decoded together (continuous batching)
+    max_prompt_tokens: int = 256  # longer first prompts are skipped (counted)
+    # user turns asked per conversation: a follow-up comes after the model's own answers, and its
+    # prefill recomputes the turns before it (~3.5x the compute of a first turn here)
+    turns: int = 1
+    max_length: int = 1024  # prompt + answer tokens; a follow-up that would not fit is not asked
+    layers: tuple[int, ...] | None = None  # base hidden states recorded (None: drafters.fused_layers)
+    shard_size: int = 64  # conversations per feature shard: what a kill can lose
+    shingle: int = 8  # contamination: words per n-gram of the near-duplicate match
+    overlap: float = 0.5  # contamination: share of the shorter text's n-grams that makes a near duplicate
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "turns", "max_length", "shard_size"):
+            if getattr(self, name) < 1:
+                raise MedusaError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise MedusaError(f"temperature must be >= 0, got {self.temperature}")

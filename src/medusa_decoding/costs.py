@@ -120,7 +120,7 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
     the drafter (None: none) the engine uses; nothing is committed. verify=False: t(1) and the
     drafting only. progress(k): called after each timed call."""
     device = backend.device
-    verifier = TransformersVerifier(backend)
+    verifier = TransformersVerifier(backend, feature_layers=getattr(drafter, "feature_layers", None))
     vocab = backend.model.config.get_text_config().vocab_size
     prefix = min(prefix, verifier.context_length - max(sizes) - 4)  # a short context leaves room for the trees
     ids = torch.randint(0, vocab, (prefix,), device=device)

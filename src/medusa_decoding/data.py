@@ -10,18 +10,27 @@ import hashlib
 import importlib.util
 import json
 import logging
+import re
+import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from .config import DistillConfig, MedusaError
+from .config import DistillConfig, GenerationConfig, MedusaError, SamplingConfig
+from .drafters import fused_layers
+from .proposers import Drafter, Proposer
 
 log = logging.getLogger(__name__)
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+FEATURES_DIR = "features"  # a distillation folder's feature shards
+FEATURE_DTYPE = torch.bfloat16  # features are stored in bf16: 3 layers of SmolLM2 take 3.5 KB a token
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -85,6 +94,8 @@ def conversations(source: str, counts: Counter, split: str = "train") -> Iterato
     """(id, messages) of a source: "sharegpt" or a JSON/JSONL file of ShareGPT-shaped records.
     split: "train", "eval" (the held-out conversations) or "all"."""
     path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if path.is_dir():  # a distill-data folder
+        path = path / "data.jsonl"
     if not path.is_file():
         raise MedusaError(f"data {source!r} is neither 'sharegpt' nor an existing JSON/JSONL file")
     for n, record in enumerate(read_json_records(path, counts)):
@@ -106,28 +117,162 @@ class Example:
     loss_mask: torch.Tensor
 
 
+def render_ids(tokenizer, messages: list[dict], prompt: bool) -> list[int]:
+    """Token ids of messages through the chat template (prompt: with the assistant's opening)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> list[tuple[int, int]]:
+    """[start, end) token spans of each assistant message in the rendering of `messages`, its
+    closing end-of-turn tokens included."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            spans.append((len(render_ids(tokenizer, messages[:i], True)), len(render_ids(tokenizer, messages[: i + 1], False))))
+    return spans
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Example | None:
     """Render with the model's chat template; mark the assistant turns' tokens (their closing
     end-of-turn token included). Truncated to max_length; None when no assistant token is left."""
-    def render(msgs, prompt):
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=prompt, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
-
-    ids = render(messages, False)
+    ids = render_ids(tokenizer, messages, False)
     mask = [False] * len(ids)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(render(messages[:i], True))
-        end = len(render(messages[: i + 1], False))
-        for t in range(start, min(end, len(ids))):
-            mask[t] = True
+    for start, end in assistant_spans(tokenizer, messages):
         if start >= max_length:
             break
+        for t in range(start, min(end, len(ids))):
+            mask[t] = True
     ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
         return None
     return Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+
+
+# contamination: no benchmark prompt in the training data ------------------------------------------
+
+def normalize(text: str) -> str:
+    """Lower case, words only, single spaces: what exact and near-duplicate matches compare."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def shingles(text: str, n: int) -> set[int]:
+    words = normalize(text).split()
+    return {hash(" ".join(words[i : i + n])) for i in range(len(words) - n + 1)}
+
+
+class Contamination:
+    """Benchmark texts (Spec-Bench questions, MT-Bench's among them, and HumanEval prompts) that no
+    training prompt may match. A prompt matches a benchmark text when their normalised forms are
+    equal, or when they share at least `overlap` of the shorter one's word `n`-grams (near
+    duplicates: the same question reworded at the edges, or embedded in a longer prompt)."""
+
+    def __init__(self, texts: dict[str, str], n: int = DistillConfig.shingle, overlap: float = DistillConfig.overlap):
+        self.n, self.overlap = n, overlap
+        self.exact = {normalize(t): k for k, t in texts.items()}
+        self.sizes: dict[str, int] = {}
+        self.index: dict[int, list[str]] = {}
+        for key, text in texts.items():
+            grams = shingles(text, n)
+            self.sizes[key] = len(grams)
+            for g in grams:
+                self.index.setdefault(g, []).append(key)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def match(self, text: str) -> str | None:
+        """The benchmark text `text` duplicates (its key), or None."""
+        norm = normalize(text)
+        if norm in self.exact:
+            return self.exact[norm]
+        grams = shingles(text, self.n)
+        hits: Counter = Counter()
+        for g in grams:
+            for key in self.index.get(g, ()):
+                hits[key] += 1
+        for key, count in hits.most_common(3):
+            if count >= self.overlap * max(1, min(len(grams), self.sizes[key])):
+                return key
+        return None
+
+
+# self-distillation --------------------------------------------------------------------------------
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a flag a long loop checks between steps (then saves its work)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+class _Recorder(Proposer):
+    """A row that proposes nothing and keeps the base's features of every verified position."""
+
+    def __init__(self):
+        self.rows: list[torch.Tensor] = []
+
+    def observe(self, hidden, next_tokens, nodes) -> None:
+        self.rows.append(hidden.to("cpu", FEATURE_DTYPE))
+
+    def features(self, length: int) -> torch.Tensor:
+        """[length, k D]: every position's; the last token, never verified, gets zeros (no training
+        position reads it: it has no next token)."""
+        feats = torch.cat(self.rows)[:length]
+        return torch.cat([feats, feats.new_zeros(length - feats.shape[0], feats.shape[1])])
+
+
+class _Recording(Drafter):
+    """Plain decoding whose rows record the features of `layers` (makes one _Recorder per row)."""
+
+    kind = "record"
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.feature_layers = layers
+        self.made: list[_Recorder] = []
+
+    def proposer(self) -> _Recorder:
+        self.made.append(_Recorder())
+        return self.made[-1]
+
+
+@dataclass
+class _Conversation:
+    """A conversation being distilled: its source turns and the answers so far."""
+
+    id: str
+    users: list[str]  # the user turns it will ask (1 or more)
+    answers: list[str] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+
+    def messages(self, with_next: bool) -> list[dict]:
+        out = []
+        for i, answer in enumerate(self.answers):
+            out += [{"role": "user", "content": self.users[i]}, {"role": "assistant", "content": answer}]
+        if with_next:
+            out.append({"role": "user", "content": self.users[len(self.answers)]})
+        return out
+
+    def record(self) -> dict:
+        turns = [{"from": f, "value": v} for u, a in zip(self.users, self.answers) for f, v in (("human", u), ("gpt", a))]
+        return {"id": self.id, "conversations": turns, "finish": self.finish}
+
+
+def read_done(folder: Path) -> dict[str, list[str]]:
+    """Conversation ids already in a distillation folder's feature shards, by split."""
+    done: dict[str, list[str]] = {"train": [], "eval": []}
+    for shard in sorted((folder / FEATURES_DIR).glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            done[shard.name.split("-")[0]] += json.loads(f.metadata()["ids"])
+    return done
 
 
 def distill(
@@ -135,91 +280,207 @@ def distill(
     out: Path,
     source: str = "sharegpt",
     limit: int | None = None,
-    max_new_tokens: int = DistillConfig.max_new_tokens,
-    temperature: float = DistillConfig.temperature,
-    batch_size: int = DistillConfig.batch_size,
-    max_prompt_tokens: int = DistillConfig.max_prompt_tokens,
+    cfg: DistillConfig | None = None,
+    exclude: Contamination | None = None,
     dtype: str = "auto",
     device: str = "auto",
     progress: bool = True,
+    stop_after: int | None = None,
 ) -> Counter:
-    """Self-distillation: the base model's own answers to the first user turn of each
-    conversation (held-out ones too, so evaluation can use them), appended to `out` (JSONL,
-    ShareGPT-shaped). Resumable: ids already in `out` are skipped. Returns the counts of what
-    was written and skipped."""
+    """Self-distillation into a folder: the base model's own answers to ShareGPT's user turns
+    (the first, and follow-up turns asked after the model's own earlier answers), decoded by the
+    engine's batched decoder with continuous batching, and the base's features of every token
+    (the hidden states of cfg.layers), recorded as it decodes, so training never runs the base
+    again. Writes, every cfg.shard_size conversations of a split (held-out ids too, for evaluation):
+      features/{train,eval}-NNNNN.safetensors  hidden [H, D] (the last layer's), lower [H, (k-1) D]
+                                               (the other layers), ids [H], mask [H] (assistant
+                                               tokens), offsets [C+1]; metadata: the ids
+      data.jsonl                               the conversations as text (ShareGPT-shaped)
+      manifest.json                            counts, tokens, time, conversations per minute
+    Resumable: conversations already in a shard are skipped; a kill loses the unwritten ones.
+    Prompts that duplicate another (normalised text) or a benchmark (`exclude`) are skipped and
+    counted. stop_after (tests): stop after that many conversations, as a SIGTERM would."""
     from tqdm import tqdm
 
+    from .engine import Decoder, MedusaModel, Method, Request
     from .models import load_base
+    from .verifiers.transformers import TransformersVerifier
 
-    if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
-        raise MedusaError("batch_size and max_new_tokens must be >= 1 and temperature >= 0")
+    cfg = cfg or DistillConfig()
+    out = Path(out)
+    if out.suffix == ".jsonl":
+        raise MedusaError(f"--out is a folder (features, data.jsonl, manifest.json), not {out.name}")
     model, tokenizer, _ = load_base(model_name, dtype=dtype, device=device)
     if tokenizer.chat_template is None:
         raise MedusaError(f"{model_name} has no chat template: self-distillation needs a chat model")
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    counts: Counter = Counter()
-    done = set()
-    out = Path(out)
-    if out.is_file():
-        for line in out.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                counts["unreadable line in existing output"] += 1
-    counts["already done"] = len(done)
-    target = limit if limit is not None else None
-    bar = tqdm(total=target, initial=min(len(done), target or len(done)), desc="distill", unit="conv",
-               disable=not progress)
-    written = len(done)
+    depth = model.config.get_text_config().num_hidden_layers
+    layers = tuple(cfg.layers) if cfg.layers else tuple(fused_layers(depth))
+    if layers[-1] != depth:
+        raise MedusaError(f"the last feature layer must be the base's last ({depth}): training reads it")
+    fingerprint = {"model": model_name, "dtype": str(model.dtype), "layers": list(layers), "feature_dtype": str(FEATURE_DTYPE),
+                   "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "turns": cfg.turns,
+                   "max_prompt_tokens": cfg.max_prompt_tokens, "max_length": cfg.max_length}
+    (out / FEATURES_DIR).mkdir(parents=True, exist_ok=True)
+    stamp = out / "fingerprint.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) != fingerprint:
+        raise MedusaError(f"{out} holds data made with other settings ({stamp}); use another --out")
+    stamp.write_text(json.dumps(fingerprint, indent=1) + "\n")
+    done = read_done(out)
+    done_ids = set(done["train"]) | set(done["eval"])
+    jsonl = out / "data.jsonl"
+    if jsonl.is_file():  # keep only the conversations whose features were written
+        lines = [ln for ln in jsonl.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln)["id"] in done_ids]
+        if len(kept) != len(lines):
+            jsonl.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        lines = kept
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"seconds": 0.0, "tokens": 0}
+    counts: Counter = Counter(manifest.get("counts", {}))
+    counts["already done"] = len(done_ids)
+    seen = set()  # normalised first prompts of the written conversations (dedup across resumes)
+    if jsonl.is_file():
+        for ln in jsonl.read_text(encoding="utf-8").splitlines():
+            seen.add(normalize(json.loads(ln)["conversations"][0]["value"]))
 
-    def flush(batch, f):
-        nonlocal written
-        batch.sort(key=lambda b: len(b[2]))
-        width = max(len(b[2]) for b in batch)
-        ids = torch.tensor([[pad] * (width - len(b[2])) + b[2] for b in batch], device=model.device)
-        attn = torch.tensor([[0] * (width - len(b[2])) + [1] * len(b[2]) for b in batch], device=model.device)
-        sample = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-        with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                                 pad_token_id=pad, top_p=None, top_k=None, **sample)
-        for (rid, prompt, _), row in zip(batch, gen[:, width:].tolist()):
-            eos = [i for i, t in enumerate(row) if t in eos_ids]
-            finish = "stop" if eos else "length"
-            answer = tokenizer.decode(row[: eos[0]] if eos else row, skip_special_tokens=True)
-            record = {"id": rid, "conversations": [{"from": "human", "value": prompt},
-                                                   {"from": "gpt", "value": answer}], "finish": finish}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            counts[f"written ({finish})"] += 1
-            written += 1
-            bar.update(1)
-        f.flush()
+    recording = _Recording(layers)
+    plain = MedusaModel(model, tokenizer)
+    eos = plain.eos_token_ids
+    verifier = TransformersVerifier(plain.backend, rows_hint=cfg.batch_size, feature_layers=layers)
+    decoder = Decoder(verifier, Method(recording), eos, max_batch_size=cfg.batch_size)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
+    sampling = SamplingConfig(temperature=cfg.temperature)
+    pending: dict[str, list] = {"train": [], "eval": []}  # finished conversations: (conversation, ids, mask, features)
+    shard_no = {split: len(list((out / FEATURES_DIR).glob(f"{split}-*.safetensors"))) for split in pending}
+    total = len(done_ids)
+    bar = tqdm(total=limit, initial=min(total, limit or total), desc="distill", unit="conv", disable=not progress)
+    t0, tokens_now = time.perf_counter(), 0
 
-    eos_ids = {tokenizer.eos_token_id} | set(
-        model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-        else [model.generation_config.eos_token_id])
-    batch: list = []
-    with out.open("a", encoding="utf-8") as f:
-        for rid, messages in conversations(source, counts, split="all"):  # held-out ids too: for evaluation
-            if target is not None and written + len(batch) >= target:
-                break
-            if rid in done:
+    def flush(split: str) -> None:
+        batch = pending[split]
+        if not batch:
+            return
+        ids = torch.cat([torch.tensor(b[1]) for b in batch])
+        feats = torch.cat([b[3] for b in batch])
+        d = feats.shape[1] // len(layers)
+        offsets = torch.tensor([0] + [len(b[1]) for b in batch]).cumsum(0)
+        shard = out / FEATURES_DIR / f"{split}-{shard_no[split]:05d}.safetensors"
+        with jsonl.open("a", encoding="utf-8") as f:
+            for b in batch:
+                f.write(json.dumps(b[0].record(), ensure_ascii=False) + "\n")
+        tmp = shard.with_suffix(".tmp")
+        save_file({"hidden": feats[:, -d:].contiguous(), "lower": feats[:, :-d].contiguous(), "ids": ids,
+                   "mask": torch.cat([torch.tensor(b[2]) for b in batch]).to(torch.uint8), "offsets": offsets},
+                  tmp, metadata={"ids": json.dumps([b[0].id for b in batch])})
+        tmp.rename(shard)
+        shard_no[split] += 1
+        pending[split] = []
+        elapsed = manifest["seconds"] + time.perf_counter() - t0
+        written = sum(len(v) for v in read_done(out).values())
+        manifest.update({"conversations": written, "seconds": round(elapsed, 1), "tokens": manifest_tokens + tokens_now,
+                         "conversations_per_minute": round(60 * written / max(elapsed, 1e-9), 2),
+                         "tokens_per_s": round((manifest_tokens + tokens_now) / max(elapsed, 1e-9), 1),
+                         "counts": dict(counts), "fingerprint": fingerprint})
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+    def request_of(conv: _Conversation) -> Request | None:
+        ids = render_ids(tokenizer, conv.messages(with_next=True), True)
+        if len(ids) + cfg.max_new_tokens > cfg.max_length:
+            return None
+        return Request(torch.tensor(ids), gen, sampling, id=conv.id)
+
+    def candidates():
+        for rid, messages in conversations(source, counts, split="all"):
+            if rid in done_ids:
                 continue
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            prompt = messages[first_user]["content"]
-            if not prompt.strip():
+            users = [m["content"] for m in messages if m["role"] == "user"][: cfg.turns]
+            if not users[0].strip():
                 counts["empty prompt"] += 1
                 continue
-            ids = tokenizer.apply_chat_template(messages[: first_user + 1], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
-            if len(ids) > max_prompt_tokens:
-                counts[f"prompt over {max_prompt_tokens} tokens"] += 1
+            key = normalize(users[0])
+            if key in seen:
+                counts["duplicate prompt"] += 1
                 continue
-            batch.append((rid, prompt, ids))
-            if len(batch) == batch_size:
-                flush(batch, f)
-                batch = []
-        if batch:
-            flush(batch, f)
-    bar.close()
+            hit = next((h for h in map(exclude.match, users) if h), None) if exclude is not None else None
+            if hit is not None:
+                counts["matches a benchmark prompt"] += 1
+                log.info("skipped %s: matches benchmark prompt %s", rid, hit)
+                continue
+            if len(render_ids(tokenizer, [{"role": "user", "content": users[0]}], True)) > cfg.max_prompt_tokens:
+                counts[f"prompt over {cfg.max_prompt_tokens} tokens"] += 1
+                continue
+            seen.add(key)
+            yield _Conversation(rid, users)
+
+    manifest_tokens = manifest["tokens"]
+    source_iter = candidates()
+    follow_ups: list[tuple[_Conversation, Request]] = []
+    live: dict[str, tuple[_Conversation, _Recorder, list[int], list[int]]] = {}  # id -> conv, recorder, prompt, new
+
+    def end_turn(cid: str, reason: str) -> None:
+        """A turn ended: ask the conversation's next user turn, or write the conversation."""
+        nonlocal total
+        conv, recorder, prompt, new = live.pop(cid)
+        answer = [t for t in new if t not in eos] if reason == "stop" else new
+        conv.answers.append(tokenizer.decode(answer, skip_special_tokens=True))
+        conv.finish.append(reason)
+        if len(conv.answers) < len(conv.users):
+            request = request_of(conv)
+            if request is not None:
+                follow_ups.append((conv, request))
+                return
+            counts[f"follow-up turn not asked (over {cfg.max_length} tokens)"] += 1
+        ids = prompt + new
+        mask = [False] * len(ids)
+        for start, end in assistant_spans(tokenizer, conv.messages(with_next=False)[:-1]):
+            mask[start:end] = [True] * (end - start)
+        mask[len(prompt):] = [True] * len(new)
+        split = "eval" if is_held_out(conv.id) else "train"
+        pending[split].append((conv, ids, mask, recorder.features(len(ids))))
+        counts[f"{len(conv.answers)}-turn conversations"] += 1
+        total += 1
+        bar.update(1)
+        bar.set_postfix(conv_per_min=f"{60 * (total - len(done_ids)) / max(time.perf_counter() - t0, 1e-9):.1f}")
+        if len(pending[split]) >= cfg.shard_size:
+            flush(split)
+
+    stopper = StopSignal()
+    exhausted = False
+    try:
+        while True:
+            while decoder.has_room and not stopper.requested:
+                if follow_ups:
+                    conv, request = follow_ups.pop(0)
+                elif not exhausted and (limit is None or total + len(live) + len(follow_ups) < limit):
+                    conv = next(source_iter, None)
+                    if conv is None:
+                        exhausted = True
+                        break
+                    request = request_of(conv)
+                    if request is None:
+                        counts[f"prompt + answer over {cfg.max_length} tokens"] += 1
+                        continue
+                else:
+                    break
+                first = decoder.add(request)
+                live[conv.id] = (conv, recording.made.pop(), request.input_ids.tolist(), list(first.tokens))
+                if first.finished:
+                    end_turn(conv.id, first.finish_reason)
+            if not decoder.seqs:
+                break
+            for o in decoder.step():
+                live[o.id][3].extend(o.tokens)
+                tokens_now += len(o.tokens)
+                if o.finished:
+                    end_turn(o.id, o.finish_reason)
+            if stopper.requested or (stop_after is not None and total - len(done_ids) >= stop_after):
+                counts["interrupted (not written; resumed next run)"] += len(live) + len(follow_ups)
+                decoder.close()
+                break
+    finally:
+        stopper.restore()
+        for split in pending:
+            flush(split)
+        bar.close()
+    counts["written"] = total - counts["already done"]
     return counts

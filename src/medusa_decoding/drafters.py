@@ -53,10 +53,15 @@ class DrafterConfig(JsonConfig):
     draft_depth: int = 4
     draft_width: int = 4
     draft_budget: int = 16  # root included
+    # eagle: the base hidden states it fuses (EAGLE-3; indices into the decoder's hidden states, 0 the
+    # embeddings, L the last layer's after the final norm). None: the last alone (EAGLE-1)
+    feature_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise MedusaError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)} (or medusa heads)")
+        if self.feature_layers is not None and (self.drafter != "eagle" or len(self.feature_layers) < 2):
+            raise MedusaError("feature_layers (fused features) need an eagle drafter and at least two layers")
         if self.draft_depth < 1 or self.draft_width < 1 or self.draft_budget < 2:
             raise MedusaError("drafting needs depth >= 1, width >= 1 and a budget of at least 2 nodes")
 
@@ -70,6 +75,12 @@ class DraftTree:
     depth: torch.Tensor  # [N] long, 0 for the root
     score: torch.Tensor  # [N] float: the drafter's cumulative log-probability of each node's branch
     max_depth: int
+
+
+def fused_layers(depth: int) -> list[int]:
+    """EAGLE-3's low, middle and top features of a base of `depth` layers: hidden states 2, depth // 2
+    and depth (the last layer's, after the final norm: what the LM head reads); fewer on a shallow base."""
+    return sorted({min(2, depth - 1), max(depth // 2, 1), depth})
 
 
 def keep_order(score: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -183,6 +194,11 @@ class HydraHeads(_Drafter):
 class EagleDrafter(_Drafter):
     """fc([f_t ; e(x_{t+1})]) -> one decoder layer of the base's class -> predicted f_{t+1}.
 
+    With `feature_layers` (EAGLE-3), f_t at a verified position is fused from several base layers:
+    fuse([norm_1(h_1) ; ... ; norm_k(h_k)]) (k D -> D, each layer RMS-normalised first: SmolLM2's
+    middle layers run at 3-10x the last one's scale); deeper nodes read the drafter's own output
+    as before, and the LM head reads it through a norm of its own (`readout`).
+
     The layer is built from the base's own decoder-layer class and config (one layer, fresh
     weights), with the base's rotary embedding: no modeling code here. Needs the base model
     to be built, so it is made with `for_base` / `from_pretrained(path, base)`."""
@@ -200,7 +216,24 @@ class EagleDrafter(_Drafter):
         except Exception as e:  # noqa: BLE001 - an architecture whose layer cannot stand alone
             raise MedusaError(f"cannot build an EAGLE drafter layer for {type(decoder).__name__}: {e}") from None
         self.text_config = text
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        d = config.hidden_size
+        self.fc = nn.Linear(2 * d, d)
+        layers = config.feature_layers or []
+        self.fuse_norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in layers) if layers else None
+        self.fuse = nn.Linear(len(layers) * d, d) if layers else None
+        self.out_norm = nn.RMSNorm(d, eps=1e-6) if layers else None
+
+    def from_base(self, features: torch.Tensor) -> torch.Tensor:
+        """The base's hidden states at verified positions [..., k D] (k = len(feature_layers), 1
+        without) -> the drafter's input feature [..., D]."""
+        if self.fuse is None:
+            return features
+        parts = features.chunk(len(self.fuse_norms), dim=-1)
+        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.fuse_norms, parts)], dim=-1))
+
+    def readout(self, out: torch.Tensor) -> torch.Tensor:
+        """The drafter's output [..., D] -> the feature the base LM head reads [..., D]."""
+        return out if self.out_norm is None else self.out_norm(out)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None, cache=None) -> torch.Tensor:

@@ -157,6 +157,11 @@ class Method:
     def speculative(self) -> bool:
         return self.drafter is not None or self.ngram is not None
 
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The base hidden states its proposers read (what its verifier must return)."""
+        return self.drafter.feature_layers if self.drafter is not None else None
+
     def tree_sizes(self) -> list[int]:
         """Node counts of this method's verification steps (the shapes a compiled backend needs)."""
         trees = self.drafter.tree_sizes() if self.drafter is not None else {1}
@@ -265,6 +270,9 @@ class Decoder:
         if max_batch_size < 1:
             raise MedusaError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.verifier, self.method = verifier, method
+        if getattr(verifier, "feature_layers", None) != method.feature_layers:
+            raise MedusaError(f"the verifier returns the hidden states of layers {getattr(verifier, 'feature_layers', None)}, "
+                              f"the drafter reads {method.feature_layers}")
         self.eos = {int(e) for e in eos_token_ids}
         self.max_batch_size = min(max_batch_size, verifier.max_rows or max_batch_size)
         self.policy = policy or FixedSpeculation()
@@ -525,13 +533,13 @@ class MedusaModel:
     def method(self, use_medusa: bool = True) -> Method:
         return Method(self.drafter, self.ngram) if use_medusa else Method()
 
-    def verifier(self, rows: int = 1) -> TransformersVerifier:
+    def verifier(self, rows: int = 1, use_medusa: bool = True) -> TransformersVerifier:
         """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""
-        return TransformersVerifier(self.backend, rows_hint=rows)
+        return TransformersVerifier(self.backend, rows_hint=rows, feature_layers=self.method(use_medusa).feature_layers)
 
     def decoder(self, max_batch_size: int = 1, use_medusa: bool = True, policy=None) -> Decoder:
         """A decoder for up to max_batch_size sequences at once (the server's and the batch bench's)."""
-        return Decoder(self.verifier(max_batch_size), self.method(use_medusa), self.eos_token_ids, max_batch_size,
+        return Decoder(self.verifier(max_batch_size, use_medusa), self.method(use_medusa), self.eos_token_ids, max_batch_size,
                        policy)
 
     def tree_sizes(self, use_medusa: bool = True) -> list[int]:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .config import MedusaError, TrainConfig
-from .data import conversations, tokenize_conversation
-from .drafters import EagleDrafter, HydraHeads, Shortlist
+from .config import EagleRecipe, MedusaError, TrainConfig
+from .data import FEATURES_DIR, StopSignal, conversations, tokenize_conversation
+from .drafters import EagleDrafter, HydraHeads, Shortlist, fused_layers
 from .drafters import for_base as drafter_for_base
 from .heads import MedusaHeads
 
@@ -63,16 +63,20 @@ class Positions:
 
 
 def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path, limit: int | None,
-                   is_main: bool, progress: bool = True) -> tuple[list[Path], Counter]:
+                   is_main: bool, progress: bool = True, layers: list[int] | None = None) -> tuple[list[Path], Counter]:
     """Cache the base model's last hidden states of a split's conversations in shards of
     SHARD_CONVERSATIONS, each a safetensors file with hidden [H_s, D], ids [H_s],
-    mask [H_s] and offsets [S+1]. Existing shards are kept (resumption)."""
+    mask [H_s] and offsets [S+1]; with `layers` (fused features, the last one the base's last),
+    also lower [H_s, (k-1) D], the other layers' states. Existing shards are kept (resumption);
+    a distill-data folder holds the same shards, written while it decoded."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
     max_length = min(cfg.max_length, model.config.get_text_config().max_position_embeddings)
     fingerprint = {"model": cfg.model, "data": cfg.data, "max_length": max_length, "dtype": str(model.dtype),
                    "shard_conversations": SHARD_CONVERSATIONS}
+    if layers:
+        fingerprint["layers"] = list(layers)
     stamp = folder / "fingerprint.json"
     if is_main:
         if stamp.is_file() and json.loads(stamp.read_text()) != fingerprint:
@@ -85,18 +89,24 @@ def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path,
 
     def write(shard: Path) -> None:
         if is_main and not shard.is_file():
-            hidden, ids, masks, offsets = [], [], [], [0]
+            hidden, lower, ids, masks, offsets = [], [], [], [], [0]
             with torch.inference_mode():
                 for ex in pending:
-                    out = model.get_decoder()(input_ids=ex.input_ids[None].to(model.device))
+                    out = model.get_decoder()(input_ids=ex.input_ids[None].to(model.device),
+                                              output_hidden_states=bool(layers))
                     hidden.append(out.last_hidden_state[0].to("cpu", model.dtype))
+                    if layers:
+                        lower.append(torch.cat([out.hidden_states[i][0] for i in layers[:-1]], -1).to("cpu", model.dtype))
                     ids.append(ex.input_ids)
                     masks.append(ex.loss_mask)
                     offsets.append(offsets[-1] + ex.input_ids.numel())
                     bar.update(1)
             tmp = shard.with_suffix(".tmp")
-            save_file({"hidden": torch.cat(hidden).contiguous(), "ids": torch.cat(ids),
-                       "mask": torch.cat(masks).to(torch.uint8), "offsets": torch.tensor(offsets)}, tmp)
+            tensors = {"hidden": torch.cat(hidden).contiguous(), "ids": torch.cat(ids),
+                       "mask": torch.cat(masks).to(torch.uint8), "offsets": torch.tensor(offsets)}
+            if layers:
+                tensors["lower"] = torch.cat(lower).contiguous()
+            save_file(tensors, tmp)
             tmp.rename(shard)
         else:
             bar.update(len(pending))
@@ -124,13 +134,36 @@ def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path,
     return shards, counts
 
 
-def load_positions(shards: list[Path], num_heads: int) -> Positions:
+def read_shards(shards: list[Path], limit: int | None = None, lower: bool = False) -> Iterator[dict]:
+    """The shards' tensors, the last one cut so that at most `limit` conversations are read;
+    `lower` (the fused features' other layers) only when asked for."""
+    left = limit
+    for shard in shards:
+        if left is not None and left <= 0:
+            return
+        data = load_file(shard)
+        if not lower:
+            data.pop("lower", None)
+        elif "lower" not in data:
+            raise MedusaError(f"{shard} has no fused features (lower layers): record them (distill-data does)")
+        offsets = data["offsets"]
+        n = offsets.numel() - 1
+        if left is not None and n > left:
+            end = int(offsets[left])
+            data = {k: (v if k == "offsets" else v[:end]) for k, v in data.items()}
+            data["offsets"] = offsets[: left + 1]
+            n = left
+        if left is not None:
+            left -= n
+        yield data
+
+
+def load_positions(shards: list[Path], num_heads: int, limit: int | None = None) -> Positions:
     """Shards -> Positions: every token t with at least one learnable head label."""
     hidden, index, labels, targets, all_ids = [], [], [], [], []
     base = 0
     steps = torch.arange(2, num_heads + 2)  # [K]: head k's label is token t+k+1 = t + (k-1) + 2
-    for shard in shards:
-        data = load_file(shard)
+    for data in read_shards(shards, limit):
         ids, mask, offsets = data["ids"], data["mask"].bool(), data["offsets"].tolist()
         for start, end in zip(offsets[:-1], offsets[1:]):
             t = torch.arange(end - start)[:, None]  # [T, 1]
@@ -249,30 +282,33 @@ class Sequences:
     ids: torch.Tensor  # [H] long
     mask: torch.Tensor  # [H] bool: assistant tokens
     spans: torch.Tensor  # [C, 2] long: (start, end) of each conversation in H
+    lower: torch.Tensor | None = None  # [H, (k-1) D]: fused features' other layers (eagle3)
 
     def __len__(self) -> int:
         return self.spans.shape[0]
 
 
-def load_sequences(shards: list[Path]) -> Sequences:
-    hidden, ids, mask, spans, base = [], [], [], [], 0
-    for shard in shards:
-        data = load_file(shard)
+def load_sequences(shards: list[Path], limit: int | None = None, fused: bool = False) -> Sequences:
+    hidden, lower, ids, mask, spans, base = [], [], [], [], [], 0
+    for data in read_shards(shards, limit, lower=fused):
         offsets = data["offsets"]
         spans.append(torch.stack([offsets[:-1], offsets[1:]], dim=-1) + base)
         hidden.append(data["hidden"])
+        lower.append(data.get("lower"))
         ids.append(data["ids"])
         mask.append(data["mask"].bool())
         base += data["hidden"].shape[0]
     if not spans:
         raise MedusaError("no training conversations")
-    return Sequences(torch.cat(hidden), torch.cat(ids), torch.cat(mask), torch.cat(spans))
+    return Sequences(torch.cat(hidden), torch.cat(ids), torch.cat(mask), torch.cat(spans),
+                     torch.cat(lower) if fused else None)
 
 
 def eagle_batch(seq: Sequences, idx: torch.Tensor):
     """Conversations idx [B] -> inputs and targets, padded to T = longest - 1:
-    features [B, T, D] f_t, tokens [B, T] x_{t+1}, target [B, T, D] f_{t+1}, labels [B, T] x_{t+2}
-    (IGNORE where x_{t+2} is not an assistant token, or past the end)."""
+    features [B, T, D] f_t (fused: [B, T, k D], the lower layers first), tokens [B, T] x_{t+1},
+    target [B, T, D] f_{t+1} (the last layer's), labels [B, T] x_{t+2} (IGNORE where x_{t+2} is not
+    an assistant token, or past the end)."""
     spans = seq.spans[idx]  # [B, 2]
     lengths = spans[:, 1] - spans[:, 0]  # [B]
     t_max = int(lengths.max()) - 1
@@ -280,7 +316,8 @@ def eagle_batch(seq: Sequences, idx: torch.Tensor):
     at = (spans[:, :1] + t).clamp(max=seq.ids.numel() - 3)  # [B, T] index of f_t
     inside = t < (lengths[:, None] - 1)  # [B, T] x_{t+1} exists
     labelled = (t < (lengths[:, None] - 2)) & seq.mask[(at + 2).clamp(max=seq.ids.numel() - 1)]
-    features = seq.hidden[at] * inside[..., None]
+    features = seq.hidden[at] if seq.lower is None else torch.cat([seq.lower[at], seq.hidden[at]], dim=-1)
+    features = features * inside[..., None]
     tokens = torch.where(inside, seq.ids[at + 1], 0)
     target = seq.hidden[at + 1]
     labels = torch.where(labelled, seq.ids[at + 2], IGNORE)
@@ -310,21 +347,22 @@ def eagle_losses(drafter: EagleDrafter, short_head, label_map: torch.Tensor, emb
     distribution at t+1 (or CE to the data's token) over the shortlist, plus feature_weight x
     smooth-L1 onto f_{t+1}; pass a is weighted decay**a."""
     features, tokens, target, labels = eagle_batch(seq, idx)
-    b, t, d = features.shape
+    b, t = tokens.shape
     embeds = embed(tokens).float()  # [B, T, D]
     position_ids = torch.arange(t)[None].expand(b, t)
     valid_all = labels != IGNORE  # [B, T]
     with torch.no_grad():
         target_log_p = torch.log_softmax(short_head(target[valid_all].float()).float(), -1)  # [n, V']
     cache = drafter.new_cache()
-    x = features.float()
+    x = drafter.from_base(features.float())  # [B, T, D]
+    d = x.shape[-1]
     loss, top1 = features.new_zeros((), dtype=torch.float32), []
     for a in range(cfg.unroll):
         out = drafter(x, embeds, position_ids, ttt_mask(t, a, torch.float32), cache)  # [B, T, D]
         valid = valid_all.clone()
         valid[:, :a] = False
         rows = valid[valid_all]  # which of target_log_p's rows count in this pass
-        logits = short_head(out[valid]).float()  # [n', V']
+        logits = short_head(drafter.readout(out[valid])).float()  # [n', V']
         if cfg.targets == "tokens":
             term = F.cross_entropy(logits, label_map[labels[valid]], ignore_index=IGNORE)  # outside V': no term
         else:
@@ -346,14 +384,15 @@ def evaluate_eagle(drafter: EagleDrafter, short: Shortlist, embed, seq: Sequence
     for start in range(0, len(seq), batch_convs):
         idx = torch.arange(start, min(start + batch_convs, len(seq)))
         features, tokens, _, labels = eagle_batch(seq, idx)
-        b, t, d = features.shape
+        b, t = tokens.shape
         embeds, position_ids, cache = embed(tokens).float(), torch.arange(t)[None].expand(b, t), drafter.new_cache()
-        x = features.float()
+        x = drafter.from_base(features.float())
+        d = x.shape[-1]
         for a in range(passes):
             out = drafter(x, embeds, position_ids, ttt_mask(t, a, torch.float32), cache)
             valid = labels != IGNORE
             valid[:, :a] = False
-            top = short.vocab[short.log_probs(out[valid]).topk(5, dim=-1).indices]  # [n, 5]
+            top = short.vocab[short.log_probs(drafter.readout(out[valid])).topk(5, dim=-1).indices]  # [n, 5]
             hit = top == labels[valid][:, None]
             hits1[a] += hit[:, 0].sum()
             hits5[a] += hit.any(-1).sum()
@@ -361,21 +400,6 @@ def evaluate_eagle(drafter: EagleDrafter, short: Shortlist, embed, seq: Sequence
             x = torch.cat([x.new_zeros(b, 1, d), out[:, :-1]], dim=1)
     count = count.clamp(min=1)
     return {"top1": (hits1 / count).tolist(), "top5": (hits5 / count).tolist(), "positions": count.long().tolist()}
-
-
-class _Stop:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then checkpoints)."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -410,13 +434,28 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     base, tokenizer, _ = load_base(cfg.model, dtype=cfg.dtype, device=str(accelerator.device))
     if tokenizer.chat_template is None:
         raise MedusaError(f"{cfg.model} has no chat template: head training renders chat conversations")
-    feature_dir = out / "features"
-    train_shards, counts = feature_shards(base, tokenizer, cfg, "train", feature_dir, cfg.max_conversations,
-                                          is_main, progress)
-    eval_shards, eval_counts = feature_shards(base, tokenizer, cfg, "eval", feature_dir, cfg.eval_conversations,
-                                              is_main, progress)
+    depth = base.config.get_text_config().num_hidden_layers
+    fused = cfg.recipe == EagleRecipe.EAGLE3.value
+    distilled = distilled_folder(cfg.data)
+    if distilled is not None:  # features recorded while the data was decoded: the base does not run
+        recorded = json.loads((distilled / "fingerprint.json").read_text())
+        if recorded["model"] != cfg.model:
+            raise MedusaError(f"{distilled} holds features of {recorded['model']}, not {cfg.model}")
+        layers = recorded["layers"]
+        train_shards = sorted((distilled / FEATURES_DIR).glob("train-*.safetensors"))
+        eval_shards = sorted((distilled / FEATURES_DIR).glob("eval-*.safetensors"))
+        counts = Counter({"data": str(distilled), "train shards": len(train_shards), "eval shards": len(eval_shards)})
+    else:
+        layers = fused_layers(depth) if fused else None
+        feature_dir = out / "features"
+        train_shards, counts = feature_shards(base, tokenizer, cfg, "train", feature_dir, cfg.max_conversations,
+                                              is_main, progress, layers)
+        eval_shards, eval_counts = feature_shards(base, tokenizer, cfg, "eval", feature_dir, cfg.eval_conversations,
+                                                  is_main, progress, layers)
+        counts.update({k if k.startswith("eval") else f"eval: {k}": v for k, v in eval_counts.items()})
+    if fused and (not layers or len(layers) < 2):
+        raise MedusaError(f"the eagle3 recipe fuses several layers; {cfg.data} recorded only {layers}")
     accelerator.wait_for_everyone()
-    counts.update({k if k.startswith("eval") else f"eval: {k}": v for k, v in eval_counts.items()})
     if is_main:
         log.info("data: %s", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     lm_head = base.get_output_embeddings()
@@ -428,11 +467,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     else:
         heads = drafter_for_base(cfg.drafter, base, cfg.model, num_heads=cfg.num_heads,
                                  inner_size=cfg.inner_size or 2 * base.config.get_text_config().hidden_size,
-                                 shortlist_size=cfg.train_vocab or 8192)
+                                 shortlist_size=cfg.train_vocab or 8192,
+                                 feature_layers=list(layers) if fused else None)
     heads = heads.float().train()
     lm_head.float().requires_grad_(False)
     del base
-    pos = load_positions(train_shards, cfg.num_heads)
+    pos = load_positions(train_shards, cfg.num_heads, cfg.max_conversations)
     train_head, label_map = lm_head, None
     if cfg.drafter != "medusa" or (cfg.train_vocab and not cfg.own_lm_head):
         size = heads.config.shortlist_size if cfg.drafter != "medusa" else cfg.train_vocab
@@ -442,7 +482,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
         if is_main:
             log.info("vocabulary losses on the %d most frequent label tokens", size)
     if cfg.drafter == "eagle":
-        seq = load_sequences(train_shards)
+        seq = load_sequences(train_shards, cfg.max_conversations, fused)
         del pos
         items, short_vocab = len(seq), heads.vocab.clone()
         per_step = max(1, round(cfg.batch_size / float((seq.spans[:, 1] - seq.spans[:, 0]).float().mean())))
@@ -483,7 +523,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
             (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
         accelerator.wait_for_everyone()
 
-    stopper = _Stop()
+    stopper = StopSignal()
     log_file = (out / "log.jsonl").open("a") if is_main else None
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not (progress and is_main))
     order, order_epoch = None, -1
@@ -532,19 +572,26 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     # 3. evaluate on held-out conversations, save the heads
     save_checkpoint()
     unwrapped = accelerator.unwrap_model(heads).eval()
-    metrics = {"drafter": cfg.drafter, "train_items": items, "steps": step, "data": dict(counts),
+    metrics = {"drafter": cfg.drafter, "recipe": cfg.recipe if cfg.drafter == "eagle" else None,
+               "feature_layers": list(layers) if fused else None, "train_items": items, "steps": step, "data": dict(counts),
                "weights_sha256_per_process": gather_object([weights_digest(unwrapped)])}
     if eval_shards and cfg.drafter == "eagle":
         metrics["eval"] = evaluate_eagle(unwrapped, Shortlist(lm_head, unwrapped.vocab), embed,
-                                         load_sequences(eval_shards), cfg)
+                                         load_sequences(eval_shards, cfg.eval_conversations, fused), cfg)
     elif eval_shards:
         short = Shortlist(lm_head, unwrapped.vocab) if cfg.drafter == "hydra" else None
-        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads), embed=embed,
-                                   short=short)
+        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads, cfg.eval_conversations),
+                                   embed=embed, short=short)
     if is_main:
         unwrapped.save_pretrained(out)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def distilled_folder(data: str) -> Path | None:
+    """`data` as a distill-data folder (features recorded as it decoded), or None."""
+    path = Path(data)
+    return path if path.is_dir() and (path / "fingerprint.json").is_file() else None
 
 
 def weights_digest(module: torch.nn.Module) -> str:

@@ -58,7 +58,8 @@ class Proposer:
         return None
 
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor, nodes: torch.Tensor | None) -> None:
-        """hidden [A, D]: the base's last hidden states at A newly verified positions; next_tokens
+        """hidden [A, D]: the base's last hidden states at A newly verified positions (those of the
+        drafter's feature_layers, concatenated, when it has them); next_tokens
         [A]: the token after each (the last is the next root); nodes [A]: the accepted nodes of
         the last proposal (None after the prefill, or when the step verified the root alone)."""
 
@@ -68,6 +69,9 @@ class Drafter:
 
     kind: str = "plain"
     weights = None  # the nn.Module it drafts with (MedusaHeads, HydraHeads, ...), if any
+    # the base hidden states its proposers observe (verifiers.transformers.forward's `layers`);
+    # None: the last layer's, after the final norm
+    feature_layers: tuple[int, ...] | None = None
 
     def proposer(self) -> Proposer:
         return Proposer()

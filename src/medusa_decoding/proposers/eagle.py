@@ -1,5 +1,6 @@
 """EAGLE feature drafter: one decoder layer of the base's class reads fc([f_t ; e(x_{t+1})]) and
-predicts f_{t+1}; deeper nodes read the drafter's own predicted features. Each row keeps the
+predicts f_{t+1}; deeper nodes read the drafter's own predicted features. f_t of a verified
+position is the base's last hidden state, or fused from several of its layers (EAGLE-3). Each row keeps the
 drafter's KV cache of its verified positions (draft nodes are dropped after every step).
 
 Glossary: A positions verified by a step, W frontier width, D hidden size, V' shortlist.
@@ -46,7 +47,8 @@ class EagleProposer(PathProposer):
         mask = torch.zeros(n, start + n, dtype=dtype, device=hidden.device)
         mask[:, start:] = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
         pos = torch.arange(start, start + n, device=hidden.device)[None]
-        out = d.weights(hidden[None].to(dtype), d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
+        feats = d.weights.from_base(hidden[None].to(dtype))  # [1, n, D]
+        out = d.weights(feats, d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
         self.committed, self.pending = start + n, None
         return out[0, -1]
 
@@ -78,9 +80,9 @@ class EagleProposer(PathProposer):
             x_tok = d.short.vocab[tokens[frontier]]  # [W]
             out = d.weights(feats[parent_slot + 1][None], d.embed(x_tok)[None], pos, bias[None, None], self.cache)[0]
             feats[slots + 1] = out  # [W, D]
-            return d.short.log_probs(out)
+            return d.short.log_probs(d.weights.readout(out))
 
-        return d.short.log_probs(g0), expand
+        return d.short.log_probs(d.weights.readout(g0)), expand
 
 
 register(DrafterKind.EAGLE, DrafterSpec(load=load, wrap=EagleDrafter))

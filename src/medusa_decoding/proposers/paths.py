@@ -35,6 +35,8 @@ class PathDrafter(Drafter):
         if budget is not None and budget < 2:
             raise MedusaError(f"a drafted tree needs a budget of at least 2 nodes, got {budget}")
         self.source = getattr(module, "source", None)  # the checkpoint folder, when loaded from one
+        layers = getattr(cfg, "feature_layers", None)
+        self.feature_layers = tuple(layers) if layers else None
 
     def tree_sizes(self) -> set[int]:
         return {self.budget}

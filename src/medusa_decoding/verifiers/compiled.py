@@ -45,8 +45,8 @@ class CompiledBackend(EagerBackend):
         self.shapes: set[tuple[int, ...]] = set()  # graphs compiled so far
         self._spare: SlotCache | None = None  # a released cache, for the next verifier
 
-    def _forward(self, tokens, positions, mask, cache):
-        return forward(self.model, tokens, positions, mask, cache)
+    def _forward(self, tokens, positions, mask, cache, layers=None):
+        return forward(self.model, tokens, positions, mask, cache, layers=layers)
 
     def width(self, slots: int) -> int:
         return round_width(slots)
@@ -63,8 +63,8 @@ class CompiledBackend(EagerBackend):
     def release(self, cache) -> None:
         self._spare = cache
 
-    def step(self, tokens, positions, mask, cache):
-        shape = (*tokens.shape, mask.shape[-1], cache.capacity, cache.num_rows)
+    def step(self, tokens, positions, mask, cache, layers: tuple[int, ...] | None = None):
+        shape = (*tokens.shape, mask.shape[-1], cache.capacity, cache.num_rows, layers)
         new_shape = shape not in self.shapes
         t0 = time.perf_counter()
         # freezing as a scoped patch: `options={"freezing": True}` left the linears unpacked (16 vs 12 ms).
@@ -73,7 +73,7 @@ class CompiledBackend(EagerBackend):
         # nothing else changes between steps: same model, weights, cache layout and attention.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(freezing=True), \
                 torch.compiler.set_stance(skip_guard_eval_unsafe=not new_shape):
-            out = self._compiled(tokens, positions, mask, cache)
+            out = self._compiled(tokens, positions, mask, cache, layers)
         if new_shape:
             self.shapes.add(shape)
             self.compile_s += time.perf_counter() - t0

@@ -32,13 +32,30 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False):
+def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False,
+            layers: tuple[int, ...] | None = None):
     """One base forward: input_ids [B, n], position_ids [B, n], mask [B, 1, n, S] additive or None
-    (causal) -> logits [B, n, V] (or [B, 1, V]), hidden [B, n, D] (after the final norm)."""
+    (causal) -> logits [B, n, V] (or [B, 1, V]), hidden [B, n, D] (after the final norm).
+
+    layers: the hidden states a drafter reads instead (indices into the decoder's hidden states:
+    0 the embeddings, L the last layer's after the final norm) -> hidden [B, n, len(layers) D],
+    concatenated in that order."""
     out = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-                              use_cache=True)
-    hidden = out.last_hidden_state
-    return lm_logits(model, hidden[:, -1:] if last_only else hidden), hidden
+                              use_cache=True, output_hidden_states=layers is not None)
+    logits = lm_logits(model, out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state)
+    if layers is None:
+        return logits, out.last_hidden_state
+    return logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+
+def check_layers(model, layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Hidden-state indices a drafter asks for, checked against the base's depth."""
+    if layers is None:
+        return None
+    depth = model.config.get_text_config().num_hidden_layers
+    if not layers or any(not 0 <= i <= depth for i in layers):
+        raise MedusaError(f"feature layers {list(layers)} do not fit a base of {depth} layers (0 .. {depth})")
+    return tuple(int(i) for i in layers)
 
 
 class EagerBackend:
@@ -67,9 +84,10 @@ class EagerBackend:
         """Slots a step over `slots` reads (compiled steps round it up)."""
         return slots
 
-    def step(self, tokens, positions, mask, cache):
-        """tokens [B, n], positions [B, n], mask [B, 1, n, S] or None -> logits [B, n, V], hidden [B, n, D]."""
-        return forward(self.model, tokens, positions, mask, cache)
+    def step(self, tokens, positions, mask, cache, layers: tuple[int, ...] | None = None):
+        """tokens [B, n], positions [B, n], mask [B, 1, n, S] or None -> logits [B, n, V], hidden
+        [B, n, D] (or the hidden states of `layers`, see forward)."""
+        return forward(self.model, tokens, positions, mask, cache, layers=layers)
 
     def release(self, cache) -> None:
         """A verifier is done with `cache`."""
@@ -85,8 +103,11 @@ class EagerBackend:
 class TransformersVerifier(Verifier):
     """One decoder's rows on a backend (eager or compiled)."""
 
-    def __init__(self, backend: EagerBackend, rows_hint: int = 1):
+    def __init__(self, backend: EagerBackend, rows_hint: int = 1, feature_layers: tuple[int, ...] | None = None):
+        """feature_layers: the base hidden states its drafter reads (None: the last, after the final
+        norm); every hidden it returns is those layers' states, concatenated."""
         self.backend = backend
+        self.feature_layers = check_layers(backend.model, feature_layers)
         self.model = backend.model
         self.context_length = backend.context_length
         self.max_rows = None if backend.slots else 1
@@ -96,7 +117,8 @@ class TransformersVerifier(Verifier):
         self._block = 0  # the last step's block start W
 
     def add(self, input_ids: torch.Tensor, room: int):
-        """input_ids [T] -> (row, logits [V], hidden [T, D]); room: tokens it may still generate."""
+        """input_ids [T] -> (row, logits [V], hidden [T, D] or [T, len(feature_layers) D]); room: tokens
+        it may still generate."""
         t = input_ids.shape[-1]
         if t == 0:
             raise MedusaError("the prompt is empty")
@@ -110,14 +132,16 @@ class TransformersVerifier(Verifier):
         row = Row(index=len(self.rows), length=t)
         if not self.backend.slots:
             self.cache = new_cache(self.model)
-            logits, hidden = forward(self.model, ids, positions, None, self.cache, last_only=True)
+            logits, hidden = forward(self.model, ids, positions, None, self.cache, last_only=True,
+                                     layers=self.feature_layers)
         else:
             capacity = min(t + room + 64, self.context_length + 64)  # + room for the widest tree
             if self.cache is None:
                 self.cache = self.backend.new_cache(capacity, max(self.rows_hint, 1))
             self.cache.grow(self.backend.width(capacity), row.index + 1, keep=max((r.length for r in self.rows), default=0))
             self.cache.reserve(slice(row.index, row.index + 1), 0, t)
-            logits, hidden = forward(self.model, ids, positions, None, self.cache, last_only=True)
+            logits, hidden = forward(self.model, ids, positions, None, self.cache, last_only=True,
+                                     layers=self.feature_layers)
         self.rows.append(row)
         return row, logits[0, -1], hidden[0]
 
@@ -152,7 +176,8 @@ class TransformersVerifier(Verifier):
             self.cache.reserve(slice(0, b), block, n, width)
         elif self.cache.get_seq_length() != block:
             raise MedusaError("the dynamic cache holds one row")
-        logits, hidden = self.backend.step(ids, positions, None if mask is None else mask[:, None], self.cache)
+        logits, hidden = self.backend.step(ids, positions, None if mask is None else mask[:, None], self.cache,
+                                           self.feature_layers)
         self._block = block
         if order != list(range(b)):
             logits, hidden = logits[order], hidden[order]

@@ -1,0 +1,152 @@
+"""Self-distillation on a tiny random base: the features recorded while decoding are the base's own
+hidden states at every position, the assistant mask covers the answers (follow-up turns too),
+a kill and a rerun give what one uninterrupted run gives, duplicates and benchmark prompts never
+enter the data, and an EAGLE-3 drafter trains on the folder without running the base again."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from medusa_decoding.bench.prompts import load_jsonl_prompts
+from medusa_decoding.config import DistillConfig, MedusaError
+from medusa_decoding.data import Contamination, distill, is_held_out, read_done
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.models import load_base
+from medusa_decoding.train import train
+
+from conftest import run_cli, save_tiny
+from test_train import cfg as train_cfg
+
+CFG = DistillConfig(max_new_tokens=12, batch_size=4, max_length=200, shard_size=3, turns=2)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory, with_heads=False)[0]
+
+
+def chats(path, n=10, follow_ups=True, held_out=0):
+    """ShareGPT-shaped records; every other one has a second user turn; the last `held_out` have
+    ids of the fixed held-out split."""
+    spare = (f"h{j}" for j in range(100000) if is_held_out(f"h{j}"))
+    with path.open("w") as f:
+        for i in range(n):
+            turns = [{"from": "human", "value": f"question {i}: what comes after {i * 7}?"},
+                     {"from": "gpt", "value": "(the source's answer, never used)"}]
+            if follow_ups and i % 2:
+                turns += [{"from": "human", "value": f"and after {i * 7 + 1}?"}]
+            f.write(json.dumps({"id": next(spare) if i >= n - held_out else f"q{i}", "conversations": turns}) + "\n")
+    return path
+
+
+def records(folder):
+    """id -> (ids, mask, hidden, lower) over every shard."""
+    out = {}
+    for shard in sorted((folder / "features").glob("*.safetensors")):
+        data = load_file(shard)
+        with safe_open(shard, "pt") as f:
+            ids = json.loads(f.metadata()["ids"])
+        off = data["offsets"].tolist()
+        for k, cid in enumerate(ids):
+            a, b = off[k], off[k + 1]
+            out[cid] = tuple(data[key][a:b] for key in ("ids", "mask", "hidden", "lower"))
+    return out
+
+
+def test_recorded_features_are_the_base_hidden_states_and_the_mask_covers_the_answers(base_dir, tmp_path):
+    data = chats(tmp_path / "c.jsonl")
+    counts = distill(str(base_dir), tmp_path / "d", source=str(data), cfg=CFG, dtype="float32", device="cpu",
+                     progress=False)
+    assert counts["written"] == 10 and counts["2-turn conversations"] == 5
+    model, tok, _ = load_base(str(base_dir), dtype="float32", device="cpu")
+    recs = records(tmp_path / "d")
+    texts = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "d" / "data.jsonl").read_text().splitlines()}
+    assert set(recs) == set(texts) == {f"q{i}" for i in range(10)}
+    for cid, (ids, mask, hidden, lower) in recs.items():
+        with torch.no_grad():
+            hs = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
+        # every position but the last (never verified: zeros), to bf16's precision
+        torch.testing.assert_close(hidden[:-1].float(), hs[2][0, :-1], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(lower[:-1].float(), hs[1][0, :-1], atol=0.05, rtol=0.02)
+        assert not hidden[-1].any()
+        turns = texts[cid]["conversations"]
+        answers = [t["value"] for t in turns if t["from"] == "gpt"]
+        assert len(answers) == (2 if int(cid[1:]) % 2 else 1)
+        assert "(the source's answer" not in json.dumps(turns)
+        masked = tok.decode(ids[mask.bool()], skip_special_tokens=True)
+        assert masked.replace("\n", "") == "".join(answers).replace("\n", "")  # answers, nothing else
+        assert tok.decode(ids[~mask.bool()], skip_special_tokens=True).count("question") == 1
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["conversations"] == 10 and manifest["conversations_per_minute"] > 0
+
+
+def test_a_killed_run_resumed_equals_an_uninterrupted_one(base_dir, tmp_path):
+    data = chats(tmp_path / "c.jsonl", n=9)
+    kw = dict(source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
+    distill(str(base_dir), tmp_path / "full", **kw)
+    first = distill(str(base_dir), tmp_path / "resumed", stop_after=4, **kw)
+    assert 4 <= first["written"] < 9 and first["interrupted (not written; resumed next run)"] > 0
+    second = distill(str(base_dir), tmp_path / "resumed", **kw)
+    assert second["already done"] == first["written"] and second["written"] == 9 - first["written"]
+    a, b = records(tmp_path / "full"), records(tmp_path / "resumed")
+    assert set(a) == set(b)
+    for cid in a:
+        assert torch.equal(a[cid][0], b[cid][0]) and torch.equal(a[cid][1], b[cid][1]), cid
+        torch.testing.assert_close(a[cid][2].float(), b[cid][2].float(), atol=0.05, rtol=0.02)
+    lines = (tmp_path / "resumed" / "data.jsonl").read_text().splitlines()
+    assert len(lines) == 9 == len({json.loads(line)["id"] for line in lines})
+    assert sum(len(v) for v in read_done(tmp_path / "resumed").values()) == 9
+    with pytest.raises(MedusaError, match="other settings"):
+        distill(str(base_dir), tmp_path / "resumed", source=str(data), cfg=DistillConfig(max_new_tokens=5, batch_size=4),
+                dtype="float32", device="cpu", progress=False)
+
+
+def test_duplicates_and_planted_benchmark_prompts_never_enter_the_data(base_dir, tmp_path, capsys, monkeypatch):
+    bench = tmp_path / "question.jsonl"
+    question = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
+    with bench.open("w") as f:
+        f.write(json.dumps({"question_id": 81, "category": "writing", "turns": [question, "Rewrite it."]}) + "\n")
+        f.write(json.dumps({"question_id": 82, "category": "math", "turns": ["What is 2 + 3 * 4?"]}) + "\n")
+    index = Contamination({f"spec-bench:{p.id}:{i}": t for p in load_jsonl_prompts(bench) for i, t in enumerate(p.turns)})
+    assert index.match(question.upper() + "!!") == "spec-bench:81:0"  # exact after normalising
+    assert index.match(f"Hi there. {question[:-1]} and the food, please.") == "spec-bench:81:0"  # near duplicate
+    assert index.match("what is 2 + 3 * 4") == "spec-bench:82:0"
+    assert index.match("Compose a poem about Hawaii.") is None
+    path = tmp_path / "c.jsonl"
+    rows = [[question], ["Tell me a joke."], ["tell me a JOKE"], ["Plan a trip.", "what is 2+3*4?"],
+            [f"Please: {question}"], ["Name three colours."]]
+    with path.open("w") as f:
+        for i, users in enumerate(rows):
+            turns = [t for u in users for t in ({"from": "human", "value": u}, {"from": "gpt", "value": "x"})]
+            f.write(json.dumps({"id": f"r{i}", "conversations": turns}) + "\n")
+    monkeypatch.setenv("MEDUSA_SPEC_BENCH", str(bench))
+    run_cli(capsys, monkeypatch, "distill-data", "--model", str(base_dir), "--data", str(path), "--out",
+            str(tmp_path / "d"), "--max-new-tokens", "8", "--batch-size", "2", "--turns", "2", "--exclude", "spec-bench",
+            "--dtype", "float32", "--device", "cpu")
+    kept = {json.loads(line)["id"] for line in (tmp_path / "d" / "data.jsonl").read_text().splitlines()}
+    assert kept == {"r1", "r5"}  # r0, r4: the question; r2: r1 again; r3: its follow-up is a benchmark's
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["counts"]["matches a benchmark prompt"] == 3 and manifest["counts"]["duplicate prompt"] == 1
+
+
+def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp_path):
+    data = chats(tmp_path / "c.jsonl", n=28, held_out=4)
+    distill(str(base_dir), tmp_path / "d", source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
+    metrics = train(train_cfg(base_dir, tmp_path / "d", tmp_path / "run", drafter="eagle", recipe="eagle3", unroll=5,
+                              train_vocab=64, batch_size=128, epochs=2, eval_conversations=8), progress=False)
+    assert metrics["recipe"] == "eagle3" and metrics["feature_layers"] == [1, 2]
+    assert len(metrics["eval"]["top1"]) == 5 and metrics["eval"]["positions"][0] > 0  # per pass: depths 1-5
+    assert len(list((tmp_path / "d" / "features").glob("eval-*"))) >= 1
+    assert not (tmp_path / "run" / "features").exists()  # the base never ran for features
+    m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", dtype="float32", device="cpu")
+    assert m.drafter.feature_layers == (1, 2)
+    plain = m.generate("question 3: what comes", max_new_tokens=30, use_medusa=False)
+    spec = m.generate("question 3: what comes", max_new_tokens=30)
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(MedusaError, match="no feature loss"):
+        train_cfg(base_dir, tmp_path / "d", tmp_path / "x", drafter="eagle", recipe="eagle3", feature_weight=1.0)
+    with pytest.raises(MedusaError, match="eagle drafter"):
+        train_cfg(base_dir, tmp_path / "d", tmp_path / "x", drafter="hydra", recipe="eagle3")
