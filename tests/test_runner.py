@@ -144,7 +144,7 @@ def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
     model = MedusaModel(fast, tok, heads=heads, ngram=NgramConfig(length=4), compile=True)
     assert model.tree_sizes() == sorted({1, 1 + model.ngram.copy_chain, model.tree.num_nodes, build_tree(DEFAULT_TREE, 4).num_nodes})
     spent = model.warmup(300) + model.warmup(300, use_medusa=False)
-    assert spent > 0 and {(b, n, w) for b, n, w, _, _ in model.backend.shapes} == {
+    assert spent > 0 and {(b, n, w) for b, n, w, *_ in model.backend.shapes} == {
         (1, n, w) for n in model.tree_sizes() for w in (256, 512)}
     before = model.backend.compile_s
     for prompt in long_prompts(2, length=220):  # crosses from width 256 to 512

@@ -20,6 +20,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import MedusaError
 
+GROW_SLOTS = 128  # a SlotCache's slots grow in steps of this many
+
 
 class SlotLayer(CacheLayerMixin):
     """One layer's buffers; the rows, write slots and read width are set by the owning SlotCache."""
@@ -120,11 +122,13 @@ class SlotCache(Cache):
                 buf[dst, :, :length] = buf[src, :, :length]
 
     def grow(self, capacity: int, rows: int | None = None, keep: int | None = None) -> None:
-        """Room for `capacity` slots and `rows` rows, keeping the first `keep` slots (default all)."""
+        """Room for `capacity` slots and `rows` rows, keeping the first `keep` slots (default all).
+        Slots grow in steps of GROW_SLOTS: each growth copies every row (3-4 s for 128 rows of
+        SmolLM2 here), so prompts one token longer than the last must not each pay for one."""
         rows = self.num_rows if rows is None else max(rows, self.num_rows)
         if capacity <= self.capacity and rows <= self.num_rows:
             return
-        capacity = max(capacity, self.capacity)
+        capacity = max(-(-capacity // GROW_SLOTS) * GROW_SLOTS if capacity > self.capacity else 0, self.capacity)
         keep = self.capacity if keep is None else min(keep, self.capacity)
         for layer in self.layers:
             for name in ("keys", "values"):

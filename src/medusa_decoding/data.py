@@ -375,7 +375,7 @@ def distill(
         tmp.rename(shard)
         shard_no[split] += 1
         pending[split] = []
-        elapsed = manifest["seconds"] + time.perf_counter() - t0
+        elapsed = seconds_before + time.perf_counter() - t0
         written = sum(len(v) for v in read_done(out).values())
         manifest.update({"conversations": written, "seconds": round(elapsed, 1), "tokens": manifest_tokens + tokens_now,
                          "conversations_per_minute": round(60 * written / max(elapsed, 1e-9), 2),
@@ -412,7 +412,7 @@ def distill(
             seen.add(key)
             yield _Conversation(rid, users)
 
-    manifest_tokens = manifest["tokens"]
+    manifest_tokens, seconds_before = manifest["tokens"], manifest["seconds"]  # of the runs before this one
     source_iter = candidates()
     follow_ups: list[tuple[_Conversation, Request]] = []
     live: dict[str, tuple[_Conversation, _Recorder, list[int], list[int]]] = {}  # id -> conv, recorder, prompt, new
