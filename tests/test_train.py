@@ -201,3 +201,21 @@ def test_shortlist_loss_covers_only_frequent_tokens():
     head, label_map = shortlist_head(lm_head, labels, 2)  # tokens 3 and 5 (7 is rarer)
     assert head.weight.shape == (2, d) and label_map[3] == 0 and label_map[5] == 1 and label_map[7] == IGNORE
     torch.testing.assert_close(head.weight, lm_head.weight[[3, 5]])
+
+
+def test_eagle_batches_group_similar_lengths():
+    """bucketed_order is a permutation whose consecutive groups have similar lengths: less padding
+    than random batches (break the sort and the padding test fails)."""
+    from medusa_decoding.train import bucketed_order
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 500, (1000,), generator=g)
+    order = bucketed_order(lengths, 8, torch.Generator().manual_seed(1))
+    assert sorted(order.tolist()) == list(range(1000))
+    assert torch.equal(order, bucketed_order(lengths, 8, torch.Generator().manual_seed(1)))  # resumable
+
+    def padding(o):
+        groups = lengths[o].split(8)
+        return sum(int(x.max()) * len(x) - int(x.sum()) for x in groups) / int(lengths.sum())
+
+    assert padding(order) < 0.1 < 0.4 < padding(torch.randperm(1000, generator=g))

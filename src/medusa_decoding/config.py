@@ -188,7 +188,7 @@ class TrainConfig:
     eval_conversations: int = 200  # held-out conversations evaluated at the end
     dtype: str = "auto"  # dtype of the base forward and the cached features
     device: str = "auto"
-    mixed_precision: str = "auto"  # "no", "bf16", "fp16"; auto: bf16 on CPU and bf16-capable GPUs
+    mixed_precision: str = "auto"  # "no", "bf16", "fp16"; auto: bf16 on bf16-capable GPUs and CPUs (AVX-512 BF16, AMX)
     seed: int = 0
     save_every: int = 200  # steps between checkpoints (and on SIGINT/SIGTERM)
     log_every: int = 10
