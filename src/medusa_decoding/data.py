@@ -317,13 +317,18 @@ def distill(
     layers = tuple(cfg.layers) if cfg.layers else tuple(fused_layers(depth))
     if layers[-1] != depth:
         raise MedusaError(f"the last feature layer must be the base's last ({depth}): training reads it")
+    # what makes a record what it is; which prompts are taken (--max-prompt-tokens, --limit) may change on a resume
     fingerprint = {"model": model_name, "dtype": str(model.dtype), "layers": list(layers), "feature_dtype": str(FEATURE_DTYPE),
                    "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "turns": cfg.turns,
-                   "max_prompt_tokens": cfg.max_prompt_tokens, "max_length": cfg.max_length}
+                   "max_length": cfg.max_length}
     (out / FEATURES_DIR).mkdir(parents=True, exist_ok=True)
     stamp = out / "fingerprint.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) != fingerprint:
-        raise MedusaError(f"{out} holds data made with other settings ({stamp}); use another --out")
+    if stamp.is_file():
+        stored = json.loads(stamp.read_text())
+        changed = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
+        if changed:
+            raise MedusaError(f"{out} holds data made with other settings ({', '.join(changed)}: {stamp}); use another --out")
+        fingerprint = stored | fingerprint
     stamp.write_text(json.dumps(fingerprint, indent=1) + "\n")
     done = read_done(out)
     done_ids = set(done["train"]) | set(done["eval"])
