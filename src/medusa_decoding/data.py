@@ -275,6 +275,78 @@ def read_done(folder: Path) -> dict[str, list[str]]:
     return done
 
 
+class _Folder:
+    """A distillation folder: what is already in it (resumption), and the writing of finished
+    conversations, a shard at a time, with data.jsonl and manifest.json."""
+
+    def __init__(self, out: Path, fingerprint: dict, layers: int, shard_size: int):
+        self.out, self.layers, self.shard_size = out, layers, shard_size
+        (out / FEATURES_DIR).mkdir(parents=True, exist_ok=True)
+        stamp = out / "fingerprint.json"
+        if stamp.is_file():  # what defines a record must match; which prompts are taken may change
+            stored = json.loads(stamp.read_text())
+            changed = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
+            if changed:
+                raise MedusaError(f"{out} holds data made with other settings ({', '.join(changed)}: {stamp}); "
+                                  "use another --out")
+            fingerprint = stored | fingerprint
+        stamp.write_text(json.dumps(fingerprint, indent=1) + "\n")
+        self.fingerprint = fingerprint
+        done = read_done(out)
+        self.done = set(done["train"]) | set(done["eval"])
+        self.jsonl = out / "data.jsonl"
+        lines = self.jsonl.read_text(encoding="utf-8").splitlines() if self.jsonl.is_file() else []
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["id"] in self.done]  # those with features
+        if len(kept) != len(lines):
+            self.jsonl.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        # normalised first prompts of the written conversations (dedup across resumes)
+        self.seen = {normalize(json.loads(ln)["conversations"][0]["value"]) for ln in kept}
+        self.manifest_path = out / "manifest.json"
+        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.is_file() else {}
+        self.counts: Counter = Counter(self.manifest.get("counts", {}))
+        self.counts["already done"] = len(self.done)
+        self.before = (self.manifest.get("seconds", 0.0), self.manifest.get("tokens", 0))  # of the runs before
+        self.pending: dict[str, list] = {"train": [], "eval": []}  # (conversation, ids, mask, features [T, k D])
+        self.written = len(self.done)
+
+    def add(self, conv: _Conversation, ids: list[int], mask: list[bool], features: torch.Tensor) -> None:
+        split = "eval" if is_held_out(conv.id) else "train"
+        self.pending[split].append((conv, ids, mask, features))
+        if len(self.pending[split]) >= self.shard_size:
+            self.flush(split)
+
+    def flush(self, split: str) -> None:
+        """Write a split's finished conversations: their text, then their shard (what a resume trusts)."""
+        batch = self.pending[split]
+        if not batch:
+            return
+        feats = torch.cat([b[3] for b in batch])  # [H, k D]
+        d = feats.shape[1] // self.layers
+        shard_no = len(list((self.out / FEATURES_DIR).glob(f"{split}-*.safetensors")))
+        shard = self.out / FEATURES_DIR / f"{split}-{shard_no:05d}.safetensors"
+        with self.jsonl.open("a", encoding="utf-8") as f:
+            for b in batch:
+                f.write(json.dumps(b[0].record(), ensure_ascii=False) + "\n")
+        tmp = shard.with_suffix(".tmp")
+        save_file({"hidden": feats[:, -d:].contiguous(), "lower": feats[:, :-d].contiguous(),
+                   "ids": torch.cat([torch.tensor(b[1]) for b in batch]),
+                   "mask": torch.cat([torch.tensor(b[2]) for b in batch]).to(torch.uint8),
+                   "offsets": torch.tensor([0] + [len(b[1]) for b in batch]).cumsum(0)},
+                  tmp, metadata={"ids": json.dumps([b[0].id for b in batch])})
+        tmp.rename(shard)
+        self.written += len(batch)
+        self.pending[split] = []
+
+    def write_manifest(self, seconds: float, tokens: int) -> None:
+        """seconds, tokens: this run's so far."""
+        seconds, tokens = self.before[0] + seconds, self.before[1] + tokens
+        self.manifest.update({"conversations": self.written, "seconds": round(seconds, 1), "tokens": tokens,
+                              "conversations_per_minute": round(60 * self.written / max(seconds, 1e-9), 2),
+                              "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "counts": dict(self.counts),
+                              "fingerprint": self.fingerprint})
+        self.manifest_path.write_text(json.dumps(self.manifest, indent=1) + "\n")
+
+
 def distill(
     model_name: str,
     out: Path,
@@ -317,76 +389,20 @@ def distill(
     layers = tuple(cfg.layers) if cfg.layers else tuple(fused_layers(depth))
     if layers[-1] != depth:
         raise MedusaError(f"the last feature layer must be the base's last ({depth}): training reads it")
-    # what makes a record what it is; which prompts are taken (--max-prompt-tokens, --limit) may change on a resume
-    fingerprint = {"model": model_name, "dtype": str(model.dtype), "layers": list(layers), "feature_dtype": str(FEATURE_DTYPE),
-                   "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "turns": cfg.turns,
-                   "max_length": cfg.max_length}
-    (out / FEATURES_DIR).mkdir(parents=True, exist_ok=True)
-    stamp = out / "fingerprint.json"
-    if stamp.is_file():
-        stored = json.loads(stamp.read_text())
-        changed = sorted(k for k in fingerprint if stored.get(k) != fingerprint[k])
-        if changed:
-            raise MedusaError(f"{out} holds data made with other settings ({', '.join(changed)}: {stamp}); use another --out")
-        fingerprint = stored | fingerprint
-    stamp.write_text(json.dumps(fingerprint, indent=1) + "\n")
-    done = read_done(out)
-    done_ids = set(done["train"]) | set(done["eval"])
-    jsonl = out / "data.jsonl"
-    if jsonl.is_file():  # keep only the conversations whose features were written
-        lines = [ln for ln in jsonl.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln)["id"] in done_ids]
-        if len(kept) != len(lines):
-            jsonl.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-        lines = kept
-    manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"seconds": 0.0, "tokens": 0}
-    counts: Counter = Counter(manifest.get("counts", {}))
-    counts["already done"] = len(done_ids)
-    seen = set()  # normalised first prompts of the written conversations (dedup across resumes)
-    if jsonl.is_file():
-        for ln in jsonl.read_text(encoding="utf-8").splitlines():
-            seen.add(normalize(json.loads(ln)["conversations"][0]["value"]))
-
+    folder = _Folder(out, {"model": model_name, "dtype": str(model.dtype), "layers": list(layers),
+                           "feature_dtype": str(FEATURE_DTYPE), "max_new_tokens": cfg.max_new_tokens,
+                           "temperature": cfg.temperature, "turns": cfg.turns, "max_length": cfg.max_length},
+                     len(layers), cfg.shard_size)
+    counts = folder.counts
     recording = _Recording(layers)
     plain = MedusaModel(model, tokenizer)
     eos = plain.eos_token_ids
     verifier = TransformersVerifier(plain.backend, rows_hint=cfg.batch_size, feature_layers=layers)
     decoder = Decoder(verifier, Method(recording), eos, max_batch_size=cfg.batch_size)
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
-    sampling = SamplingConfig(temperature=cfg.temperature)
-    pending: dict[str, list] = {"train": [], "eval": []}  # finished conversations: (conversation, ids, mask, features)
-    shard_no = {split: len(list((out / FEATURES_DIR).glob(f"{split}-*.safetensors"))) for split in pending}
-    total = len(done_ids)
-    bar = tqdm(total=limit, initial=min(total, limit or total), desc="distill", unit="conv", disable=not progress)
-    t0, tokens_now = time.perf_counter(), 0
-
-    def flush(split: str) -> None:
-        batch = pending[split]
-        if not batch:
-            return
-        ids = torch.cat([torch.tensor(b[1]) for b in batch])
-        feats = torch.cat([b[3] for b in batch])
-        d = feats.shape[1] // len(layers)
-        offsets = torch.tensor([0] + [len(b[1]) for b in batch]).cumsum(0)
-        shard = out / FEATURES_DIR / f"{split}-{shard_no[split]:05d}.safetensors"
-        with jsonl.open("a", encoding="utf-8") as f:
-            for b in batch:
-                f.write(json.dumps(b[0].record(), ensure_ascii=False) + "\n")
-        tmp = shard.with_suffix(".tmp")
-        save_file({"hidden": feats[:, -d:].contiguous(), "lower": feats[:, :-d].contiguous(), "ids": ids,
-                   "mask": torch.cat([torch.tensor(b[2]) for b in batch]).to(torch.uint8), "offsets": offsets},
-                  tmp, metadata={"ids": json.dumps([b[0].id for b in batch])})
-        tmp.rename(shard)
-        shard_no[split] += 1
-        pending[split] = []
-        elapsed = seconds_before + time.perf_counter() - t0
-        written = sum(len(v) for v in read_done(out).values())
-        manifest.update({"conversations": written, "seconds": round(elapsed, 1), "tokens": manifest_tokens + tokens_now,
-                         "conversations_per_minute": round(60 * written / max(elapsed, 1e-9), 2),
-                         "tokens_per_s": round((manifest_tokens + tokens_now) / max(elapsed, 1e-9), 1),
-                         "counts": dict(counts), "fingerprint": fingerprint})
-        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    gen, sampling = GenerationConfig(max_new_tokens=cfg.max_new_tokens), SamplingConfig(temperature=cfg.temperature)
+    bar = tqdm(total=limit, initial=min(folder.written, limit or folder.written), desc="distill", unit="conv",
+               disable=not progress)
+    t0, tokens, first_written = time.perf_counter(), 0, folder.written
 
     def request_of(conv: _Conversation) -> Request | None:
         ids = render_ids(tokenizer, conv.messages(with_next=True), True)
@@ -394,16 +410,16 @@ def distill(
             return None
         return Request(torch.tensor(ids), gen, sampling, id=conv.id)
 
-    def candidates():
+    def candidates() -> Iterator[_Conversation]:
         for rid, messages in conversations(source, counts, split="all"):
-            if rid in done_ids:
+            if rid in folder.done:
                 continue
             users = [m["content"] for m in messages if m["role"] == "user"][: cfg.turns]
             if not users[0].strip():
                 counts["empty prompt"] += 1
                 continue
             key = normalize(users[0])
-            if key in seen:
+            if key in folder.seen:
                 counts["duplicate prompt"] += 1
                 continue
             hit = next((h for h in map(exclude.match, users) if h), None) if exclude is not None else None
@@ -414,17 +430,15 @@ def distill(
             if len(render_ids(tokenizer, [{"role": "user", "content": users[0]}], True)) > cfg.max_prompt_tokens:
                 counts[f"prompt over {cfg.max_prompt_tokens} tokens"] += 1
                 continue
-            seen.add(key)
+            folder.seen.add(key)
             yield _Conversation(rid, users)
 
-    manifest_tokens, seconds_before = manifest["tokens"], manifest["seconds"]  # of the runs before this one
     source_iter = candidates()
     follow_ups: list[tuple[_Conversation, Request]] = []
     live: dict[str, tuple[_Conversation, _Recorder, list[int], list[int]]] = {}  # id -> conv, recorder, prompt, new
 
     def end_turn(cid: str, reason: str) -> None:
         """A turn ended: ask the conversation's next user turn, or write the conversation."""
-        nonlocal total
         conv, recorder, prompt, new = live.pop(cid)
         answer = [t for t in new if t not in eos] if reason == "stop" else new
         conv.answers.append(tokenizer.decode(answer, skip_special_tokens=True))
@@ -440,23 +454,26 @@ def distill(
         for start, end in assistant_spans(tokenizer, conv.messages(with_next=False)[:-1]):
             mask[start:end] = [True] * (end - start)
         mask[len(prompt):] = [True] * len(new)
-        split = "eval" if is_held_out(conv.id) else "train"
-        pending[split].append((conv, ids, mask, recorder.features(len(ids))))
         counts[f"{len(conv.answers)}-turn conversations"] += 1
-        total += 1
+        written = folder.written
+        folder.add(conv, ids, mask, recorder.features(len(ids)))
+        if folder.written != written:
+            folder.write_manifest(time.perf_counter() - t0, tokens)
         bar.update(1)
-        bar.set_postfix(conv_per_min=f"{60 * (total - len(done_ids)) / max(time.perf_counter() - t0, 1e-9):.1f}")
-        if len(pending[split]) >= cfg.shard_size:
-            flush(split)
+
+    def room() -> bool:
+        in_flight = len(live) + len(follow_ups) + sum(len(v) for v in folder.pending.values())
+        return limit is None or folder.written + in_flight < limit
 
     stopper = StopSignal()
     exhausted = False
     try:
         while True:
+            # admit: follow-up turns first, then new conversations, while the batch has room
             while decoder.has_room and not stopper.requested:
                 if follow_ups:
                     conv, request = follow_ups.pop(0)
-                elif not exhausted and (limit is None or total + len(live) + len(follow_ups) < limit):
+                elif not exhausted and room():
                     conv = next(source_iter, None)
                     if conv is None:
                         exhausted = True
@@ -475,17 +492,19 @@ def distill(
                 break
             for o in decoder.step():
                 live[o.id][3].extend(o.tokens)
-                tokens_now += len(o.tokens)
+                tokens += len(o.tokens)
                 if o.finished:
                     end_turn(o.id, o.finish_reason)
-            if stopper.requested or (stop_after is not None and total - len(done_ids) >= stop_after):
+            done_now = folder.written + sum(len(v) for v in folder.pending.values()) - first_written
+            if stopper.requested or (stop_after is not None and done_now >= stop_after):
                 counts["interrupted (not written; resumed next run)"] += len(live) + len(follow_ups)
                 decoder.close()
                 break
     finally:
         stopper.restore()
-        for split in pending:
-            flush(split)
+        for split in folder.pending:
+            folder.flush(split)
+        folder.write_manifest(time.perf_counter() - t0, tokens)
         bar.close()
-    counts["written"] = total - counts["already done"]
+    counts["written"] = folder.written - first_written
     return counts
