@@ -34,7 +34,8 @@ def chats(path, n=10, follow_ups=True, held_out=0):
     spare = (f"h{j}" for j in range(100000) if is_held_out(f"h{j}"))
     with path.open("w") as f:
         for i in range(n):
-            turns = [{"from": "human", "value": f"question {i}: what comes after {i * 7}?"},
+            sep = "\u2028" if i == 1 else " "  # a line separator inside a JSON string (str.splitlines splits there)
+            turns = [{"from": "human", "value": f"question {i}:{sep}what comes after {i * 7}?"},
                      {"from": "gpt", "value": "(the source's answer, never used)"}]
             if follow_ups and i % 2:
                 turns += [{"from": "human", "value": f"and after {i * 7 + 1}?"}]
@@ -63,7 +64,7 @@ def test_recorded_features_are_the_base_hidden_states_and_the_mask_covers_the_an
     assert counts["written"] == 10 and counts["2-turn conversations"] == 5
     model, tok, _ = load_base(str(base_dir), dtype="float32", device="cpu")
     recs = records(tmp_path / "d")
-    texts = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "d" / "data.jsonl").read_text().splitlines()}
+    texts = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "d" / "data.jsonl").read_text().split("\n") if line.strip()}
     assert set(recs) == set(texts) == {f"q{i}" for i in range(10)}
     for cid, (ids, mask, hidden, lower) in recs.items():
         with torch.no_grad():
@@ -96,7 +97,7 @@ def test_a_killed_run_resumed_equals_an_uninterrupted_one(base_dir, tmp_path):
     for cid in a:
         assert torch.equal(a[cid][0], b[cid][0]) and torch.equal(a[cid][1], b[cid][1]), cid
         torch.testing.assert_close(a[cid][2].float(), b[cid][2].float(), atol=0.05, rtol=0.02)
-    lines = (tmp_path / "resumed" / "data.jsonl").read_text().splitlines()
+    lines = [line for line in (tmp_path / "resumed" / "data.jsonl").read_text().split("\n") if line.strip()]
     assert len(lines) == 9 == len({json.loads(line)["id"] for line in lines})
     assert sum(len(v) for v in read_done(tmp_path / "resumed").values()) == 9
     with pytest.raises(MedusaError, match="other settings"):
@@ -126,7 +127,7 @@ def test_duplicates_and_planted_benchmark_prompts_never_enter_the_data(base_dir,
     run_cli(capsys, monkeypatch, "distill-data", "--model", str(base_dir), "--data", str(path), "--out",
             str(tmp_path / "d"), "--max-new-tokens", "8", "--batch-size", "2", "--turns", "2", "--exclude", "spec-bench",
             "--dtype", "float32", "--device", "cpu")
-    kept = {json.loads(line)["id"] for line in (tmp_path / "d" / "data.jsonl").read_text().splitlines()}
+    kept = {json.loads(line)["id"] for line in (tmp_path / "d" / "data.jsonl").read_text().split("\n") if line.strip()}
     assert kept == {"r1", "r5"}  # r0, r4: the question; r2: r1 again; r3: its follow-up is a benchmark's
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["counts"]["matches a benchmark prompt"] == 3 and manifest["counts"]["duplicate prompt"] == 1

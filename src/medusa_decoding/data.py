@@ -295,8 +295,10 @@ class _Folder:
         done = read_done(out)
         self.done = set(done["train"]) | set(done["eval"])
         self.jsonl = out / "data.jsonl"
-        lines = self.jsonl.read_text(encoding="utf-8").splitlines() if self.jsonl.is_file() else []
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["id"] in self.done]  # those with features
+        # "\n" only: answers may hold U+2028 and other characters str.splitlines() also splits at
+        lines = self.jsonl.read_text(encoding="utf-8").split("\n") if self.jsonl.is_file() else []
+        lines = [ln for ln in lines if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln)["id"] in self.done]  # those with features
         if len(kept) != len(lines):
             self.jsonl.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
         # normalised first prompts of the written conversations (dedup across resumes)
