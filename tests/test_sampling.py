@@ -112,3 +112,15 @@ def test_typical_and_rejection_at_temperature_zero_are_greedy(model):
     for rule in Acceptance:
         out = draw(model, prompt, heads, SamplingConfig(temperature=0.0, acceptance=rule, seed=1), n_tokens=30)[0]
         assert out == greedy, rule
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-6])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    """top_p below float32's smallest number rounds to 0 in the comparison; the top token must
+    still be kept (the server's schema fuzzing found the NaN this gave)."""
+    from medusa_decoding.acceptance import target_probs
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    p = target_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+    assert torch.isfinite(p).all()
+    assert torch.equal(p, torch.zeros_like(p).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))

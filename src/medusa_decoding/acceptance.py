@@ -84,7 +84,9 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
         # Keep a token while the mass strictly before it is short of top_p: the first token
         # always stays, and the kept set is the smallest whose mass reaches top_p.
         before = sorted_p.cumsum(-1) - sorted_p  # [N, V]
-        sorted_p = torch.where(before < sampling.top_p, sorted_p, torch.zeros_like(sorted_p))
+        keep = before < sampling.top_p
+        keep[:, 0] = True  # also when top_p is below float32's smallest number (it rounds to 0 there)
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     return torch.zeros_like(p).scatter_(-1, order, sorted_p)  # [N, V]
 
