@@ -406,13 +406,14 @@ def distill(
                disable=not progress)
     t0, tokens, first_written = time.perf_counter(), 0, folder.written
 
-    def request_of(conv: _Conversation) -> Request | None:
-        ids = render_ids(tokenizer, conv.messages(with_next=True), True)
+    def request_of(conv: _Conversation, ids: list[int] | None = None) -> Request | None:
+        """The request of the conversation's next turn (ids: its prompt, when already rendered)."""
+        ids = ids if ids is not None else render_ids(tokenizer, conv.messages(with_next=True), True)
         if len(ids) + cfg.max_new_tokens > cfg.max_length:
             return None
         return Request(torch.tensor(ids), gen, sampling, id=conv.id)
 
-    def candidates() -> Iterator[_Conversation]:
+    def candidates() -> Iterator[tuple[_Conversation, list[int]]]:
         for rid, messages in conversations(source, counts, split="all"):
             if rid in folder.done:
                 continue
@@ -429,11 +430,12 @@ def distill(
                 counts["matches a benchmark prompt"] += 1
                 log.info("skipped %s: matches benchmark prompt %s", rid, hit)
                 continue
-            if len(render_ids(tokenizer, [{"role": "user", "content": users[0]}], True)) > cfg.max_prompt_tokens:
+            ids = render_ids(tokenizer, [{"role": "user", "content": users[0]}], True)
+            if len(ids) > cfg.max_prompt_tokens:
                 counts[f"prompt over {cfg.max_prompt_tokens} tokens"] += 1
                 continue
             folder.seen.add(key)
-            yield _Conversation(rid, users)
+            yield _Conversation(rid, users), ids
 
     source_iter = candidates()
     follow_ups: list[tuple[_Conversation, Request]] = []
@@ -476,11 +478,11 @@ def distill(
                 if follow_ups:
                     conv, request = follow_ups.pop(0)
                 elif not exhausted and room():
-                    conv = next(source_iter, None)
+                    conv, ids = next(source_iter, (None, None))
                     if conv is None:
                         exhausted = True
                         break
-                    request = request_of(conv)
+                    request = request_of(conv, ids)  # the first prompt, rendered once
                     if request is None:
                         counts[f"prompt + answer over {cfg.max_length} tokens"] += 1
                         continue
