@@ -188,3 +188,70 @@ def test_cli_calibrate_a_drafter_saves_its_acceptance_and_fits_this_machine(tmp_
     code, _, err = run_cli(capsys, monkeypatch, "generate", "-p", "hi", "--model", folder, "--heads", tmp_path / "o",
                            "-n", "4", "--dtype", "float32")
     assert code == 0 and "calibration: cached" in err
+
+
+# exact mode where it is (nearly) free -----------------------------------------------------------
+
+def test_exact_mode_is_preferred_where_it_costs_at_most_ten_percent():
+    assert costs.prefer_exact(100.0, 91.0) and costs.prefer_exact(100.0, 120.0)
+    assert not costs.prefer_exact(100.0, 89.0)
+
+
+def seeded_curves(m, root, exact_step_s: float, exact_slope: float = 0.01) -> None:
+    """Cache this machine's curves for m in both attention modes (fast: t(1) = 10 ms), so that
+    choosing reads them and measures nothing."""
+    from medusa_decoding.models import use_fast_attention
+
+    chain = m.ngram.length if m.ngram else 0
+    sizes = costs.verify_sizes(chain)
+    for exact, step, slope in ((False, 0.010, 0.01), (True, exact_step_s, exact_slope)):
+        use_fast_attention(m.base, exact=exact)
+        fp = costs.fingerprint(m)
+        curve = costs.CostCurve(fp, step, {n: 1 + slope * (n - 1) for n in sizes},
+                                {costs.drafter_key(m.drafter): dict.fromkeys(costs.BUDGETS, 0.05)})
+        costs.save_curve(curve, costs.cache_path(fp, root))
+    use_fast_attention(m.base, exact=False)
+
+
+@pytest.mark.parametrize("exact_step_s, chosen", [(0.0105, True), (0.013, False)])
+def test_bf16_turns_exact_mode_on_only_where_this_machine_measured_it_nearly_free(tmp_path, monkeypatch,
+                                                                                 exact_step_s, chosen):
+    from conftest import tiny_llama
+
+    base = tiny_llama(seed=3).to(torch.bfloat16)
+    m = saved_hydra(base, tmp_path / "d")
+    seeded_curves(m, tmp_path / "cache", exact_step_s)
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("the cached curves were not used"))
+    fit = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    assert fit.exact is chosen and fit.cost == pytest.approx(1 - 0.010 / exact_step_s, abs=1e-6)
+    assert base.config._attn_implementation == ("medusa_exact" if chosen else "medusa")
+    assert len(fit.lines) == 2 and fit.lines[0].startswith("calibration: cached")
+    assert fit.lines[1].startswith("exact mode: on" if chosen else "exact mode: off")
+    # the budget is the one fitted in the chosen mode: here exact mode's steeper curve fits 8 nodes
+    # (x1.86 of its t(1), 8 ms) where the fast one fits 16 (x2.46 of 10 ms): 232 vs 246 expected tokens/s
+    seeded_curves(m, tmp_path / "steep", 0.008, exact_slope=0.05)
+    steep = costs.fit_exactness(m, root=tmp_path / "steep", progress=False)
+    assert steep.exact and m.drafter.budget == 8 and "budget 8" in steep.lines[0]
+    # and at 9.5 ms exact mode loses (195 expected tokens/s): the fast mode's 16 nodes, fitted first, are set back
+    seeded_curves(m, tmp_path / "dear", 0.0095, exact_slope=0.05)
+    dear = costs.fit_exactness(m, root=tmp_path / "dear", progress=False)
+    assert not dear.exact and m.drafter.budget == 16 and "budget 16" in dear.lines[0]
+
+
+def test_float32_keeps_its_attention_and_says_nothing_of_exact_mode(model, tmp_path):
+    m = saved_hydra(model, tmp_path / "d")
+    before = model.config._attn_implementation
+    fit = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    assert fit.exact is False and fit.cost is None and model.config._attn_implementation == before
+    assert len(fit.lines) == 1 and fit.lines[0].startswith("calibration: measured now")
+
+
+def test_cli_bf16_generate_chooses_exact_mode_unless_told(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    folder, _ = save_tiny(tmp_path_factory, with_heads=False)
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    args = ("generate", "-p", "hello", "--model", folder, "--no-medusa", "-n", "4", "--dtype", "bfloat16")
+    code, _, err = run_cli(capsys, monkeypatch, *args)
+    assert code == 0 and "exact mode: o" in err  # on or off: what this machine measured
+    for flag in ("--exact", "--no-exact"):
+        code, _, err = run_cli(capsys, monkeypatch, *args, flag)
+        assert code == 0 and "exact mode:" not in err

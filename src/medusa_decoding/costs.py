@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .models import cache_dir, cpu_info
+from .attention import fits_short_query_attention
+from .models import cache_dir, cpu_info, use_fast_attention
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
@@ -35,6 +36,7 @@ BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration c
 PREFIX = 256  # cached tokens before the measured steps: a typical chat prompt
 REPEATS = 5  # timed rounds, interleaved over sizes (one more warms up)
 VERSION = 1  # of the cached file's layout
+EXACT_MAX_COST = 0.10  # exact mode is the default where it costs at most this share of tokens/s
 
 
 def fingerprint(model) -> dict:
@@ -193,6 +195,44 @@ class Fit:
     line: str  # the one line saying which calibration is in use
     table: list[dict] = field(default_factory=list)
     path: Path | None = None
+    step_s: float | None = None  # t(1) of the curve it was chosen on
+
+    @property
+    def speedup(self) -> float:
+        """The chosen budget's expected speed-up over plain decoding (1 when nothing was chosen)."""
+        return next((r["expected_speedup"] for r in self.table if r["budget"] == self.budget), 1.0)
+
+
+def machine_curve(model, sizes: list[int], drafter=None, budgets=(), root: Path | None = None,
+                  progress: bool = True, refresh: bool = False) -> tuple[CostCurve, Path, str]:
+    """This machine's cost curve for the model as it runs now (dtype, attention, threads ...),
+    holding t(n) for `sizes` and, with a drafter, its drafting cost at `budgets`: from the cache,
+    or measured now (a progress bar on stderr) and cached -> (curve, its file, "cached" or "measured")."""
+    fp = fingerprint(model)
+    key = drafter_key(drafter) if drafter is not None else None
+    path = cache_path(fp, root)
+    curve = None if refresh else load_curve(path, fp)
+    missing_sizes = curve is None or not set(sizes) <= set(curve.verify)
+    missing_draft = key is not None and (curve is None or key not in curve.draft or not set(budgets) <= set(curve.draft[key]))
+    if not (missing_sizes or missing_draft):
+        return curve, path, "cached"
+    timed_budgets = list(budgets) if key is not None else []
+    calls = REPEATS * ((len(sizes) if missing_sizes else 1) + len(timed_budgets))
+    bar = _bar(calls, "calibrating for this machine") if progress else None
+    t0 = time.perf_counter()
+    try:
+        step, verify, draft = measure(model.backend, drafter if key is not None else None, sizes, timed_budgets,
+                                      progress=bar.update if bar else None, verify=missing_sizes)
+    finally:
+        if bar:
+            bar.close()
+    if missing_sizes:  # a new curve: drafting measured against another t(1) is dropped with the old one
+        curve = CostCurve(fp, step, verify)
+    if key is not None:  # drafting was timed against this run's t(1): rescale to the curve's own
+        curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
+    curve.measured_s += time.perf_counter() - t0
+    save_curve(curve, path)
+    return curve, path, "measured"
 
 
 def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False) -> Fit:
@@ -211,32 +251,10 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
                    "step at every size would compile each one (~30 s); fit the budget without --compile")
     budgets = [b for b in BUDGETS if b in acceptance]
     chain = model.ngram.length if model.ngram else 0
-    fp, key = fingerprint(model), drafter_key(drafter)
-    path = cache_path(fp, root)
-    curve = None if refresh else load_curve(path, fp)
-    sizes = verify_sizes(chain, budgets)
-    missing_sizes = curve is None or not set(sizes) <= set(curve.verify)
-    missing_draft = curve is None or key not in curve.draft or not set(budgets) <= set(curve.draft[key])
-    source = "cached"
-    if missing_sizes or missing_draft:
-        source = "measured"
-        calls = (REPEATS) * ((len(sizes) if missing_sizes else 1) + len(budgets))
-        bar = _bar(calls, "calibrating for this machine") if progress else None
-        t0 = time.perf_counter()
-        try:
-            step, verify, draft = measure(model.backend, drafter, sizes, budgets,
-                                          progress=bar.update if bar else None, verify=missing_sizes)
-        finally:
-            if bar:
-                bar.close()
-        if missing_sizes:  # a new curve: drafting measured against another t(1) is dropped with the old one
-            curve = CostCurve(fp, step, verify)
-        # drafting was timed against this run's t(1): rescale to the curve's own
-        curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
-        curve.measured_s += time.perf_counter() - t0
-        save_curve(curve, path)
-    budget, table = choose_budget(acceptance, curve.verify, curve.draft[key], chain)
+    curve, path, source = machine_curve(model, verify_sizes(chain, budgets), drafter, budgets, root, progress, refresh)
+    budget, table = choose_budget(acceptance, curve.verify, curve.draft[drafter_key(drafter)], chain)
     best = next(r for r in table if r["budget"] == budget)
+    fp = curve.fingerprint
     where = "measured now" if source == "measured" else "cached"
     line = (f"calibration: {where} for {fp['processor']} ({fp['threads']} threads, {fp['dtype']}, "
             f"{fp['verifier']}): {drafter.kind} budget {budget} (expected tau {best['expected_tau']:.2f}, "
@@ -246,7 +264,61 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     elif best["expected_speedup"] < 1:
         line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
     drafter.set_budget(budget)
-    return Fit(budget, source, line, table, path)
+    return Fit(budget, source, line, table, path, curve.step_s)
+
+
+def prefer_exact(fast_rate: float, exact_rate: float, max_cost: float = EXACT_MAX_COST) -> bool:
+    """Exact mode is the default where it costs at most max_cost of the tokens/s (rates: tokens/s)."""
+    return exact_rate >= (1 - max_cost) * fast_rate
+
+
+@dataclass
+class ExactFit:
+    """What the exactness calibration chose (ExactMode.AUTO), and the budget fit it rests on."""
+
+    exact: bool
+    lines: list[str]  # the budget's calibration line (when fitted) and the one saying which mode
+    cost: float | None = None  # exact mode's share of tokens/s lost on this machine (None: not measured)
+
+
+def fit_exactness(model, fit_budget: bool = True, root: Path | None = None, progress: bool = True,
+                  refresh: bool = False) -> ExactFit:
+    """Choose exact mode (every decoding forward row-invariant: bf16 speculative output equals
+    bf16 plain output bit for bit) where it costs this machine <= EXACT_MAX_COST of the expected
+    tokens/s, and set it. model: a MedusaModel. fit_budget: also fit the drafter's budget, in each
+    mode (the budgets may differ); else compare one step at the method's largest tree. Float32 is
+    left as it is: its speculative output already equals plain output."""
+    base = model.base
+    if base.dtype in (torch.float32, torch.float64):
+        fit = fit_to_machine(model, root, progress, refresh) if fit_budget else None
+        return ExactFit(False, [fit.line] if fit else [])
+    if model.backend.compiled or not fits_short_query_attention(base.config):
+        why = "the step is compiled" if model.backend.compiled else f"{base.config.model_type} does not fit its kernel"
+        fit = fit_to_machine(model, root, progress, refresh) if fit_budget else None
+        return ExactFit(False, ([fit.line] if fit else []) + [f"exact mode: off ({why})"])
+    rates, fits = {}, {}
+    for exact in (False, True):
+        use_fast_attention(base, exact=exact)
+        fit = fits[exact] = fit_to_machine(model, root, progress, refresh) if fit_budget else None
+        if fit is not None and fit.step_s is not None:
+            rates[exact] = fit.speedup / fit.step_s
+        else:  # nothing to fit: one step of the method's largest tree
+            n = max(model.tree_sizes())
+            curve, _, _ = machine_curve(model, [1, n], root=root, progress=progress, refresh=refresh)
+            rates[exact] = 1 / (curve.step_s * curve.verify[n])
+    chosen = prefer_exact(rates[False], rates[True])
+    use_fast_attention(base, exact=chosen)
+    if fits[chosen] is not None and fits[chosen].budget is not None:
+        model.drafter.set_budget(fits[chosen].budget)
+    cost = 1 - rates[True] / rates[False]
+    costs_here = f"costs {cost:.0%} of tokens/s on this machine" if cost > 0 else "no slower on this machine"
+    said = (f"exact mode: on ({costs_here}, at most {EXACT_MAX_COST:.0%} allowed: "
+            f"{str(base.dtype).removeprefix('torch.')} speculative output equals plain output bit for bit; --no-exact turns it off)"
+            if chosen else
+            f"exact mode: off (it would cost {cost:.0%} of tokens/s on this machine, more than {EXACT_MAX_COST:.0%}; "
+            "--exact turns it on)")
+    lines = [fits[chosen].line] if fits[chosen] is not None else []
+    return ExactFit(chosen, lines + [said], cost)
 
 
 def _bar(total: int, label: str):
