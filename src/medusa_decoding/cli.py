@@ -62,7 +62,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     fit_budget = m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED
     refresh = mode == CalibrationMode.REFRESH
     if exact is None and mode != CalibrationMode.SHIPPED:  # exact where it is (nearly) free here
-        for line in m.fit_exactness(fit_budget, refresh=refresh).lines:
+        for line in m.fit_exactness(fit_budget, refresh=refresh, use_medusa=not no_medusa).lines:
             typer.echo(line, err=True)
     elif fit_budget:
         typer.echo(m.fit_to_machine(refresh=refresh).line, err=True)

@@ -554,14 +554,15 @@ class MedusaModel:
 
         return fit_to_machine(self, refresh=refresh, progress=progress)
 
-    def fit_exactness(self, fit_budget: bool = True, refresh: bool = False, progress: bool = True):
+    def fit_exactness(self, fit_budget: bool = True, refresh: bool = False, progress: bool = True,
+                      use_medusa: bool = True):
         """Turn exact mode on where this machine's calibration measures it costs at most
         costs.EXACT_MAX_COST of the expected tokens/s (bf16, fp16; float32 is left as it is), fitting
         the drafter's budget in each mode when fit_budget -> a costs.ExactFit whose `lines` say what
         was chosen."""
         from .costs import fit_exactness
 
-        return fit_exactness(self, fit_budget, refresh=refresh, progress=progress)
+        return fit_exactness(self, fit_budget, refresh=refresh, progress=progress, use_medusa=use_medusa)
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
         """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)
