@@ -133,7 +133,7 @@ def test_duplicates_and_planted_benchmark_prompts_never_enter_the_data(base_dir,
     assert manifest["counts"]["matches a benchmark prompt"] == 3 and manifest["counts"]["duplicate prompt"] == 1
 
 
-def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp_path):
+def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp_path, capsys, monkeypatch):
     data = chats(tmp_path / "c.jsonl", n=28, held_out=4)
     distill(str(base_dir), tmp_path / "d", source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
     metrics = train(train_cfg(base_dir, tmp_path / "d", tmp_path / "run", drafter="eagle", recipe="eagle3", unroll=5,
@@ -147,7 +147,31 @@ def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp
     plain = m.generate("question 3: what comes", max_new_tokens=30, use_medusa=False)
     spec = m.generate("question 3: what comes", max_new_tokens=30)
     assert spec.token_ids == plain.token_ids
+    # `medusa evaluate` scores the saved drafter as training scored it, from the same features
+    code, out, _ = run_cli(capsys, monkeypatch, "evaluate", "--heads", tmp_path / "run", "--data", tmp_path / "d",
+                           "--limit", "8", "--unroll", "5")
+    assert code == 0 and [float(r.split()[1]) for r in out.strip().splitlines()[1:]] == pytest.approx(
+        metrics["eval"]["top1"], abs=6e-4)
     with pytest.raises(MedusaError, match="no feature loss"):
         train_cfg(base_dir, tmp_path / "d", tmp_path / "x", drafter="eagle", recipe="eagle3", feature_weight=1.0)
     with pytest.raises(MedusaError, match="eagle drafter"):
         train_cfg(base_dir, tmp_path / "d", tmp_path / "x", drafter="hydra", recipe="eagle3")
+
+
+def test_evaluate_scores_a_hydra_checkpoint_as_training_did_and_refuses_what_it_cannot_score(base_dir, tmp_path, capsys,
+                                                                                            monkeypatch):
+    data = chats(tmp_path / "c.jsonl", n=16, held_out=4)
+    distill(str(base_dir), tmp_path / "d", source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
+    metrics = train(train_cfg(base_dir, tmp_path / "d", tmp_path / "run", drafter="hydra", train_vocab=64,
+                              batch_size=32, epochs=1, eval_conversations=8), progress=False)
+    code, out, _ = run_cli(capsys, monkeypatch, "evaluate", "--heads", tmp_path / "run", "--data", tmp_path / "d")
+    rows = out.strip().splitlines()[1:]
+    assert code == 0 and len(rows) == len(metrics["eval"]["top1"])
+    assert [int(r.split()[3]) for r in rows] == metrics["eval"]["positions"]
+    assert [float(r.split()[1]) for r in rows] == pytest.approx(metrics["eval"]["top1"], abs=6e-4)
+    for args, said in [(("--heads", tmp_path / "nope", "--data", tmp_path / "d"), "no such folder"),
+                       (("--heads", tmp_path / "run", "--data", tmp_path), "not a distill-data folder"),
+                       (("--heads", tmp_path / "run", "--data", tmp_path / "d", "--limit", "0"), "--limit must be >= 1"),
+                       (("--heads", "shipped", "--data", tmp_path / "d"), "no drafter is shipped")]:
+        code, _, err = run_cli(capsys, monkeypatch, "evaluate", *args)
+        assert code == 2 and said in err, (args, err)

@@ -341,6 +341,26 @@ def train(
 
 
 @app.command()
+def evaluate(
+    heads: str = typer.Option(..., "--heads", help="A drafter's checkpoint folder, or 'shipped' (the built-in model's default drafter)."),
+    data: Path = typer.Option(..., "--data", help="A distill-data folder: its held-out split's recorded features are scored."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Score the first N held-out conversations (default: all)."),
+    unroll: int = typer.Option(5, "--unroll", help="Depths an EAGLE drafter is scored at (its own outputs fed back, as it drafts)."),
+) -> None:
+    """Held-out top-1 / top-5 per depth of a drafter on a distill-data folder (no decoding: the
+    folder's recorded features; compares checkpoints trained on other data on the same split)."""
+    from .train import evaluate_checkpoint, metrics_table
+
+    if limit is not None and limit < 1:
+        fail(f"--limit must be >= 1, got {limit}")
+    if unroll < 1:
+        fail(f"--unroll must be >= 1, got {unroll}")
+    if heads != "shipped" and not Path(heads).is_dir():
+        fail(f"--heads {heads}: no such folder")
+    typer.echo(metrics_table({"eval": evaluate_checkpoint(heads, data, limit, unroll)}))
+
+
+@app.command()
 def bench(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,

@@ -609,6 +609,44 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     return metrics
 
 
+def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None = None, unroll: int = 5) -> dict:
+    """Held-out top-1 / top-5 per depth of a saved drafter (Medusa heads, hydra, eagle; "shipped":
+    the default drafter shipped for the folder's model) on the held-out split of a distill-data folder, from its recorded features: only the base's
+    embeddings and LM head are used. limit: the first `limit` held-out conversations; unroll:
+    the depths an EAGLE drafter is scored at. Returns what metrics.json's "eval" holds."""
+    from . import proposers
+    from .models import load_base
+
+    folder = distilled_folder(str(data))
+    if folder is None:
+        raise MedusaError(f"{data} is not a distill-data folder (it has no fingerprint.json)")
+    recorded = json.loads((folder / "fingerprint.json").read_text())
+    shards = sorted((folder / FEATURES_DIR).glob("eval-*.safetensors"))
+    if not shards:
+        raise MedusaError(f"{folder} holds no held-out conversations yet")
+    if heads == "shipped":
+        from .engine import shipped_heads
+
+        heads = shipped_heads(recorded["model"])
+        if heads is None:
+            raise MedusaError(f"no drafter is shipped for {recorded['model']}, the model of {folder}")
+    base, _, _ = load_base(recorded["model"], dtype="float32", device="cpu")
+    weights = proposers.load(heads, base).float().eval()
+    lm_head, embed = base.get_output_embeddings().float(), base.get_input_embeddings().float()
+    with torch.no_grad():
+        if isinstance(weights, EagleDrafter):
+            layers = weights.config.feature_layers
+            fused = layers is not None
+            if fused and list(layers) != list(recorded["layers"]):
+                raise MedusaError(f"{heads} reads layers {list(layers)}; {folder} recorded {recorded['layers']}")
+            return evaluate_eagle(weights, Shortlist(lm_head, weights.vocab), embed,
+                                  load_sequences(shards, limit, fused), TrainConfig(unroll=unroll))
+        hydra = isinstance(weights, HydraHeads)
+        num_heads = weights.config.num_heads if hydra else weights.num_heads
+        return evaluate(weights, lm_head, load_positions(shards, num_heads, limit), embed=embed if hydra else None,
+                        short=Shortlist(lm_head, weights.vocab) if hydra else None)
+
+
 def distilled_folder(data: str) -> Path | None:
     """`data` as a distill-data folder (features recorded as it decoded), or None."""
     path = Path(data)
