@@ -255,3 +255,30 @@ def test_cli_bf16_generate_chooses_exact_mode_unless_told(tmp_path_factory, tmp_
     for flag in ("--exact", "--no-exact"):
         code, _, err = run_cli(capsys, monkeypatch, *args, flag)
         assert code == 0 and "exact mode:" not in err
+
+
+def test_both_modes_are_measured_in_one_interleaved_run_then_read_from_the_cache(tmp_path, monkeypatch):
+    from conftest import tiny_llama
+
+    base = tiny_llama(seed=4).to(torch.bfloat16)
+    m = saved_hydra(base, tmp_path / "d")
+    order, calls = [], []
+    real = costs.measure
+
+    def counting(*args, setups=(), **kw):
+        calls.append(len(setups))
+        spied = [lambda s=s, k=k: (order.append(k), s())[1] for k, s in enumerate(setups)]
+        return real(*args, setups=spied, **kw)
+
+    monkeypatch.setattr(costs, "measure", counting)
+    first = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    assert calls == [2] and order == [0, 1] * (costs.REPEATS + 1)  # fast, exact, fast, exact ... each round
+    assert first.lines[0].startswith("calibration: measured now") and first.cost is not None
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2  # one curve per mode
+    again = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    assert calls == [2] and again.exact == first.exact and again.cost == pytest.approx(first.cost)
+    assert again.lines[0].startswith("calibration: cached")
+    # plain decoding: one-token steps of both modes, nothing to fit
+    plain = costs.fit_exactness(MedusaModel(base, byte_tokenizer()), fit=False, root=tmp_path / "plain",
+                                progress=False, use_medusa=False)
+    assert calls == [2, 2] and len(plain.lines) == 1 and plain.lines[0].startswith("exact mode: o")

@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,11 +118,15 @@ def verify_sizes(chain: int, budgets=BUDGETS) -> list[int]:
 
 @torch.inference_mode()
 def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = REPEATS, progress=None,
-            verify: bool = True, prefix: int = PREFIX) -> tuple[float, dict[int, float], dict[int, float]]:
+            verify: bool = True, prefix: int = PREFIX, setups: Sequence[Callable[[], None]] = ()
+            ) -> tuple[float, dict[int, float], dict[int, float]] | list[tuple[float, dict[int, float], dict[int, float]]]:
     """-> (t(1) s, {n: t(n)/t(1)}, {b: draft(b)/t(1)}): medians over `repeats` interleaved rounds,
     after a warm-up round, on a random prefix of `prefix` tokens, through the verifier backend and
     the drafter (None: none) the engine uses; nothing is committed. verify=False: t(1) and the
-    drafting only. progress(k): called after each timed call."""
+    drafting only. progress(k): called after each timed call. setups: functions that each put
+    the base in one mode (e.g. its attention kernel); each round then times every size in each
+    mode in turn, so that a load that comes and goes weighs on all modes alike, and the result is
+    one such tuple per mode (the drafting, which no mode changes, timed once, against each t(1))."""
     device = backend.device
     verifier = TransformersVerifier(backend, feature_layers=getattr(drafter, "feature_layers", None))
     vocab = backend.model.config.get_text_config().vocab_size
@@ -132,8 +137,9 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
     root = ids[-1]
     if proposer is not None:
         proposer.start(ids)
+    modes = list(setups) or [lambda: None]
     chains = {n: build_tree([], n - 1).to(device) for n in (sizes if verify else [1])}
-    times: dict[int, list[float]] = {n: [] for n in chains}
+    times: list[dict[int, list[float]]] = [{n: [] for n in chains} for _ in modes]
     drafting: dict[int, list[float]] = {b: [] for b in (budgets if proposer is not None else ())}
 
     def draft(b):  # what a step's drafting does: read the verified positions, then propose
@@ -142,12 +148,14 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
 
     try:
         for rep in range(repeats + 1):
-            for n, tree in chains.items():
-                tokens = torch.randint(0, vocab, (n,), device=device)
-                t = timed(lambda: verifier.verify([row], [tokens], [tree]), device)
-                if rep:  # the first round warms up
-                    times[n].append(t)
-                    progress and progress(1)
+            for setup, mode_times in zip(modes, times):
+                setup()
+                for n, tree in chains.items():
+                    tokens = torch.randint(0, vocab, (n,), device=device)
+                    t = timed(lambda: verifier.verify([row], [tokens], [tree]), device)
+                    if rep:  # the first round warms up
+                        mode_times[n].append(t)
+                        progress and progress(1)
             for b in drafting:
                 t = timed(lambda: draft(b), device)
                 if rep:
@@ -155,9 +163,12 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
                     progress and progress(1)
     finally:
         verifier.release(row)
-    step = statistics.median(times[1])
-    return (step, {n: statistics.median(t) / step for n, t in times.items()},
-            {b: statistics.median(t) / step for b, t in drafting.items()})
+    results = []
+    for mode_times in times:
+        step = statistics.median(mode_times[1])
+        results.append((step, {n: statistics.median(t) / step for n, t in mode_times.items()},
+                        {b: statistics.median(t) / step for b, t in drafting.items()}))
+    return results if setups else results[0]
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:
@@ -204,56 +215,74 @@ class Fit:
         return next((r["expected_speedup"] for r in self.table if r["budget"] == self.budget), 1.0)
 
 
-def machine_curve(model, sizes: list[int], drafter=None, budgets=(), root: Path | None = None,
-                  progress: bool = True, refresh: bool = False) -> tuple[CostCurve, Path, str]:
-    """This machine's cost curve for the model as it runs now (dtype, attention, threads ...),
-    holding t(n) for `sizes` and, with a drafter, its drafting cost at `budgets`: from the cache,
-    or measured now (a progress bar on stderr) and cached -> (curve, its file, "cached" or "measured")."""
-    fp = fingerprint(model)
+def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: dict | None = None,
+                   root: Path | None = None, progress: bool = True, refresh: bool = False) -> dict:
+    """This machine's cost curves for the model in each mode of `setups` (key -> a function putting
+    the base in that mode; None: as it runs now), each holding t(n) for `sizes` and, with a
+    drafter, its drafting cost at `budgets`: from the cache, or measured now, every mode in one
+    interleaved run (a progress bar on stderr), and cached -> {key: (curve, its file, "cached" or
+    "measured")}. The model is left in the last mode of `setups`."""
+    setups = setups or {None: lambda: None}
     key = drafter_key(drafter) if drafter is not None else None
-    path = cache_path(fp, root)
-    curve = None if refresh else load_curve(path, fp)
-    missing_sizes = curve is None or not set(sizes) <= set(curve.verify)
-    missing_draft = key is not None and (curve is None or key not in curve.draft or not set(budgets) <= set(curve.draft[key]))
+    found = {}
+    for mode, setup in setups.items():
+        setup()
+        fp = fingerprint(model)
+        path = cache_path(fp, root)
+        found[mode] = (fp, path, None if refresh else load_curve(path, fp))
+    missing_sizes = any(c is None or not set(sizes) <= set(c.verify) for _, _, c in found.values())
+    missing_draft = key is not None and any(c is None or key not in c.draft or not set(budgets) <= set(c.draft[key])
+                                            for _, _, c in found.values())
     if not (missing_sizes or missing_draft):
-        return curve, path, "cached"
+        return {mode: (c, path, "cached") for mode, (_, path, c) in found.items()}
     timed_budgets = list(budgets) if key is not None else []
-    calls = REPEATS * ((len(sizes) if missing_sizes else 1) + len(timed_budgets))
+    calls = REPEATS * (len(setups) * (len(sizes) if missing_sizes else 1) + len(timed_budgets))
     bar = _bar(calls, "calibrating for this machine") if progress else None
     t0 = time.perf_counter()
     try:
-        step, verify, draft = measure(model.backend, drafter if key is not None else None, sizes, timed_budgets,
-                                      progress=bar.update if bar else None, verify=missing_sizes)
+        results = measure(model.backend, drafter if key is not None else None, sizes, timed_budgets,
+                          progress=bar.update if bar else None, verify=missing_sizes, setups=list(setups.values()))
     finally:
         if bar:
             bar.close()
-    if missing_sizes:  # a new curve: drafting measured against another t(1) is dropped with the old one
-        curve = CostCurve(fp, step, verify)
-    if key is not None:  # drafting was timed against this run's t(1): rescale to the curve's own
-        curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
-    curve.measured_s += time.perf_counter() - t0
-    save_curve(curve, path)
-    return curve, path, "measured"
+    seconds = (time.perf_counter() - t0) / len(setups)
+    out = {}
+    for (mode, (fp, path, curve)), (step, verify, draft) in zip(found.items(), results):
+        if missing_sizes:  # a new curve: drafting measured against another t(1) is dropped with the old one
+            curve = CostCurve(fp, step, verify)
+        if key is not None:  # drafting was timed against this run's t(1): rescale to the curve's own
+            curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
+        curve.measured_s += seconds
+        save_curve(curve, path)
+        out[mode] = (curve, path, "measured")
+    return out
 
 
-def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False) -> Fit:
-    """Choose the drafter's budget for this machine and set it. model: a MedusaModel. The cost
-    curve comes from the cache when this machine measured it before, else it is measured now
-    (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh: measure again."""
+def unfitted(model) -> Fit | None:
+    """Why the model's drafter budget cannot be fitted here (a Fit saying so), or None when it can."""
     drafter = model.drafter
     if drafter is None:
         return Fit(None, "given", "calibration: none needed (plain decoding)")
-    acceptance = drafter.acceptance()
-    if not acceptance:
+    if not drafter.acceptance():
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): it ships no "
                    "acceptance statistics to choose a budget from (`medusa calibrate --heads DIR` measures them)")
     if model.backend.compiled:
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): timing a compiled "
                    "step at every size would compile each one (~30 s); fit the budget without --compile")
-    budgets = [b for b in BUDGETS if b in acceptance]
+    return None
+
+
+def fit_sizes(model) -> tuple[list[int], list[int]]:
+    """What fitting the model's drafter budget measures -> (verify sizes, drafter budgets)."""
+    budgets = [b for b in BUDGETS if b in model.drafter.acceptance()]
+    return verify_sizes(model.ngram.length if model.ngram else 0, budgets), budgets
+
+
+def fit_budget(model, curve: CostCurve, path: Path, source: str) -> Fit:
+    """Choose and set the drafter's budget from its acceptance and this machine's curve."""
+    drafter = model.drafter
     chain = model.ngram.length if model.ngram else 0
-    curve, path, source = machine_curve(model, verify_sizes(chain, budgets), drafter, budgets, root, progress, refresh)
-    budget, table = choose_budget(acceptance, curve.verify, curve.draft[drafter_key(drafter)], chain)
+    budget, table = choose_budget(drafter.acceptance(), curve.verify, curve.draft[drafter_key(drafter)], chain)
     best = next(r for r in table if r["budget"] == budget)
     fp = curve.fingerprint
     where = "measured now" if source == "measured" else "cached"
@@ -266,6 +295,18 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
         line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
     drafter.set_budget(budget)
     return Fit(budget, source, line, table, path, curve.step_s)
+
+
+def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False) -> Fit:
+    """Choose the drafter's budget for this machine and set it. model: a MedusaModel. The cost
+    curve comes from the cache when this machine measured it before, else it is measured now
+    (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh: measure again."""
+    reason = unfitted(model)
+    if reason is not None:
+        return reason
+    sizes, budgets = fit_sizes(model)
+    ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress, refresh).values()
+    return fit_budget(model, curve, path, source)
 
 
 def prefer_exact(fast_rate: float, exact_rate: float, max_cost: float = EXACT_MAX_COST) -> bool:
@@ -282,35 +323,38 @@ class ExactFit:
     cost: float | None = None  # exact mode's share of tokens/s lost on this machine (None: not measured)
 
 
-def fit_exactness(model, fit_budget: bool = True, root: Path | None = None, progress: bool = True,
+def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: bool = True,
                   refresh: bool = False, use_medusa: bool = True) -> ExactFit:
     """Choose exact mode (every decoding forward row-invariant: bf16 speculative output equals
     bf16 plain output bit for bit) where it costs this machine <= EXACT_MAX_COST of the expected
-    tokens/s, and set it. model: a MedusaModel. fit_budget: also fit the drafter's budget, in each
-    mode (the budgets may differ); else compare one step at the method's largest tree
-    (use_medusa=False: plain decoding's one-token step). Float32 is left as it is: its
-    speculative output already equals plain output."""
+    tokens/s, and set it. model: a MedusaModel. fit: also fit the drafter's budget, in each mode
+    (the budgets may differ); else compare one step at the method's largest tree (use_medusa=False:
+    plain decoding's one-token step). Both modes are measured in one interleaved run (or read from
+    the cache). Float32 is left as it is: its speculative output already equals plain output."""
     base = model.base
+    reason = unfitted(model) if fit else None
     if base.dtype in (torch.float32, torch.float64):
-        fit = fit_to_machine(model, root, progress, refresh) if fit_budget else None
-        return ExactFit(False, [fit.line] if fit else [])
+        return ExactFit(False, [fit_to_machine(model, root, progress, refresh).line] if fit else [])
     if model.backend.compiled or not fits_short_query_attention(base.config):
         why = "the step is compiled" if model.backend.compiled else f"{base.config.model_type} does not fit its kernel"
-        fit = fit_to_machine(model, root, progress, refresh) if fit_budget else None
-        return ExactFit(False, ([fit.line] if fit else []) + [f"exact mode: off ({why})"])
+        return ExactFit(False, ([fit_to_machine(model, root, progress, refresh).line] if fit else [])
+                        + [f"exact mode: off ({why})"])
+    fitting = fit and reason is None
+    n = max(model.tree_sizes(use_medusa))
+    sizes, budgets = fit_sizes(model) if fitting else ([1, n], [])
+    modes = {exact: (lambda exact=exact: use_fast_attention(base, exact=exact)) for exact in (False, True)}
+    curves = machine_curves(model, sizes, model.drafter if fitting else None, budgets, modes, root, progress, refresh)
     rates, fits = {}, {}
-    for exact in (False, True):
+    for exact, (curve, path, source) in curves.items():
         use_fast_attention(base, exact=exact)
-        fit = fits[exact] = fit_to_machine(model, root, progress, refresh) if fit_budget else None
-        if fit is not None and fit.step_s is not None:
-            rates[exact] = fit.speedup / fit.step_s
+        if fitting:
+            fits[exact] = fit_budget(model, curve, path, source)
+            rates[exact] = fits[exact].speedup / curve.step_s
         else:  # nothing to fit: one step of the method's largest tree
-            n = max(model.tree_sizes(use_medusa))
-            curve, _, _ = machine_curve(model, [1, n], root=root, progress=progress, refresh=refresh)
             rates[exact] = 1 / (curve.step_s * curve.verify[n])
     chosen = prefer_exact(rates[False], rates[True])
     use_fast_attention(base, exact=chosen)
-    if fits[chosen] is not None and fits[chosen].budget is not None:
+    if fitting:
         model.drafter.set_budget(fits[chosen].budget)
     cost = 1 - rates[True] / rates[False]
     costs_here = f"costs {cost:.0%} of tokens/s on this machine" if cost > 0 else "no slower on this machine"
@@ -319,7 +363,7 @@ def fit_exactness(model, fit_budget: bool = True, root: Path | None = None, prog
             if chosen else
             f"exact mode: off (it would cost {cost:.0%} of tokens/s on this machine, more than {EXACT_MAX_COST:.0%}; "
             "--exact turns it on)")
-    lines = [fits[chosen].line] if fits[chosen] is not None else []
+    lines = [fits[chosen].line] if fitting else [reason.line] if fit and reason.source != "given" else []
     return ExactFit(chosen, lines + [said], cost)
 
 
