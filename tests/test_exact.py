@@ -118,6 +118,10 @@ def test_server_answers_under_load_as_alone_in_bf16():
                         ngram=NgramConfig(length=4), name="tiny")
     server = Server(create_app(model, max_batch_size=8))
     try:
+        import httpx
+
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["dtype"] == "bfloat16" and health["exact"] is True
         client = server.client()
 
         def ask(i):

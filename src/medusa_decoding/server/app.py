@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..attention import EXACT_ATTENTION_NAME
 from ..config import GenerationConfig, MedusaError, SamplingConfig
 from ..engine import GenerationStats, MedusaModel, Request
 from ..text import TextDecoder
@@ -113,7 +114,8 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "method": method.describe(), "active": scheduler.active,
+        return {"status": "ok", "model": name, "method": method.describe(), "dtype": str(model.base.dtype).removeprefix("torch."),
+                "exact": model.base.config._attn_implementation == EXACT_ATTENTION_NAME, "active": scheduler.active,
                 "queued": scheduler.queue.qsize(), "max_batch_size": max_batch_size, "rss_mib": resident_mib()}
 
     @app.get("/v1/models")
