@@ -245,6 +245,30 @@ def test_adaptive_speculation_picks_the_fastest_measured_budget():
     assert 1 in chosen[1][10:] and 8 in chosen[16][10:]  # still re-measured now and then
 
 
+def test_adaptive_speculation_re_measures_ever_less_once_settled_and_follows_a_change():
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation([1, 4, 8], warm=2, explore=8, max_explore=64)
+    rate = {1: (8, 1.0), 4: (12, 1.0), 8: (11, 1.0)}  # 8 rows: budget 4 is fastest
+    chosen = []
+    for _ in range(1000):
+        budget = policy.budget(8)
+        policy.observe(8, budget, *rate[budget])
+        chosen.append(budget)
+    slower = [i for i, b in enumerate(chosen) if b != 4]
+    assert len(slower) <= 6 + 20  # warm-up, then waits of 8, 16, 32, 64, 64 ... steps
+    assert {chosen[i] for i in slower[6:]} == {1, 8}  # both others still re-measured, in turn
+    assert chosen.count(4) > 970
+    # the load changes: plain decoding becomes the fastest; it is found within one wait and kept
+    rate[1] = (30, 1.0)
+    after = []
+    for _ in range(300):
+        budget = policy.budget(8)
+        policy.observe(8, budget, *rate[budget])
+        after.append(budget)
+    assert after.index(1) <= 2 * 64 and after[-100:].count(1) > 90
+
+
 def test_context_limit_per_row():
     small = tiny_llama(max_positions=40)
     ps = [p[:20] for p in prompts(3, seed=6, lo=20, hi=30)] + [prompts(1, seed=7)[0][:5]]

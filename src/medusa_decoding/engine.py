@@ -205,40 +205,59 @@ class AdaptiveSpeculation:
 
     For each bucket of row counts (1, 2, 3-4, 5-8, ...) it keeps a running mean of tokens per
     second of step time (drafting, verification and acceptance) at each budget of `levels` (1 is
-    plain decoding): each level is measured `warm` times first, then the fastest is used and
-    every `explore`-th step measures another one again. So at every batch size speculation runs
+    plain decoding): each level is measured `warm` times first, then the fastest is used, and
+    another level is measured again after `explore` steps. A re-measurement that leaves the
+    fastest level in front doubles the wait before the next one (up to `max_explore` steps); one
+    that changes the order starts it again at `explore`. So at every batch size speculation runs
     only where, measured on this machine, it emits more tokens per second than plain batched
-    decoding. One policy lives as long as its server (or bench): what it measured carries over.
+    decoding, and a settled choice costs ever fewer steps at slower levels. One policy lives as
+    long as its server (or bench): what it measured carries over.
     """
 
-    def __init__(self, levels: Iterable[int], warm: int = 3, explore: int = 16, alpha: float = 0.25):
+    def __init__(self, levels: Iterable[int], warm: int = 3, explore: int = 16, alpha: float = 0.25,
+                 max_explore: int = 256):
         self.levels = sorted(set(levels) | {1})
-        self.warm, self.explore, self.alpha = warm, explore, alpha
+        self.warm, self.explore, self.alpha, self.max_explore = warm, explore, alpha, max_explore
         self.rate: dict[tuple[int, int], float] = {}  # (rows, budget) -> tokens per second
         self.count: dict[tuple[int, int], int] = {}
-        self.steps: dict[int, int] = {}
+        self.wait: dict[int, int] = {}  # rows -> steps from one re-measurement to the next
+        self.due: dict[int, int] = {}  # rows -> steps left before the next re-measurement
+        self.probes: dict[int, int] = {}  # rows -> re-measurements so far (which level is next)
+        self.probing: dict[int, tuple[int, int]] = {}  # rows -> (level re-measured now, the fastest before it)
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...: the largest row count of the bucket
 
+    def best(self, rows: int) -> int:
+        return max(self.levels, key=lambda lv: self.rate[(rows, lv)])
+
     def budget(self, rows: int) -> int:
         rows = self.bucket(rows)
-        step = self.steps[rows] = self.steps.get(rows, 0) + 1
         for level in self.levels:
             if self.count.get((rows, level), 0) < self.warm:
                 return level
-        best = max(self.levels, key=lambda lv: self.rate[(rows, lv)])
-        if step % self.explore == 0 and len(self.levels) > 1:  # re-measure the others now and then, in turn
-            others = [lv for lv in self.levels if lv != best]
-            return others[(step // self.explore) % len(others)]
-        return best
+        best = self.best(rows)
+        self.due[rows] = self.due.get(rows, self.wait.setdefault(rows, self.explore)) - 1
+        if self.due[rows] > 0 or len(self.levels) == 1:
+            return best
+        others = [lv for lv in self.levels if lv != best]  # re-measure the others now and then, in turn
+        probe = self.probes[rows] = self.probes.get(rows, -1) + 1
+        self.probing[rows] = (others[probe % len(others)], best)
+        return self.probing[rows][0]
 
     def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
-        key = (self.bucket(rows), budget)
+        rows = self.bucket(rows)
+        key = (rows, budget)
         rate = tokens / max(seconds, 1e-9)
         n = self.count[key] = self.count.get(key, 0) + 1
         self.rate[key] = rate if n == 1 else (1 - self.alpha) * self.rate[key] + self.alpha * rate
+        probe = self.probing.get(rows)
+        if probe is not None and probe[0] == budget:
+            del self.probing[rows]
+            settled = self.best(rows) == probe[1]
+            self.wait[rows] = min(2 * self.wait[rows], self.max_explore) if settled else self.explore
+            self.due[rows] = self.wait[rows]
 
     def table(self) -> dict:
         """{row bucket: {budget: tokens/s}} measured so far."""
