@@ -282,3 +282,28 @@ def test_both_modes_are_measured_in_one_interleaved_run_then_read_from_the_cache
     plain = costs.fit_exactness(MedusaModel(base, byte_tokenizer()), fit=False, root=tmp_path / "plain",
                                 progress=False, use_medusa=False)
     assert calls == [2, 2] and len(plain.lines) == 1 and plain.lines[0].startswith("exact mode: o")
+
+
+def test_exact_mode_is_checked_row_invariant_on_this_machine_before_it_is_chosen(tmp_path, monkeypatch):
+    """The check itself: it passes in exact mode and catches the fast kernel (whose rounding
+    follows the number of query rows); a machine where it fails keeps exact mode off, however cheap."""
+    from conftest import tiny_llama
+    from medusa_decoding.models import use_fast_attention
+    from medusa_decoding.verifiers.transformers import EagerBackend
+
+    sizes = [1, 2, 4, 8, 14, 22]
+    for exact, want in ((True, None), (False, "2 nodes")):
+        base = tiny_llama(max_positions=512, seed=1).to(torch.bfloat16)
+        use_fast_attention(base, exact=exact)
+        torch.manual_seed(0)
+        assert costs.varies_at(EagerBackend(base), sizes) == want
+    base = tiny_llama(seed=3).to(torch.bfloat16)
+    m = saved_hydra(base, tmp_path / "d")
+    seeded_curves(m, tmp_path / "cache", 0.009)  # exact mode cheaper than fast: it would be chosen
+    monkeypatch.setattr(costs, "varies_at", lambda backend, sizes: "6 nodes")
+    fit = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    assert not fit.exact and base.config._attn_implementation == "medusa"
+    assert "a step of 6 nodes even in exact mode" in fit.lines[-1]
+    # what the check found is cached with the exact-mode curve: it is not run again
+    monkeypatch.setattr(costs, "varies_at", lambda backend, sizes: pytest.fail("checked again"))
+    assert not costs.fit_exactness(m, root=tmp_path / "cache", progress=False).exact

@@ -71,13 +71,15 @@ class CostCurve:
     verify: dict[int, float]  # n -> t(n) / t(1)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)  # drafter_key -> b -> draft(b) / t(1)
     measured_s: float = 0.0  # seconds the measurements took, all together
+    varies_at: dict[str, str | None] = field(default_factory=dict)  # step sizes checked ("1,6,14") -> the first step that changed a row's logits, or None
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurve:
         return cls(fingerprint=data["fingerprint"], step_s=data["step_s"],
                    verify={int(n): v for n, v in data["verify"].items()},
                    draft={k: {int(b): v for b, v in d.items()} for k, d in data.get("draft", {}).items()},
-                   measured_s=data.get("measured_s", 0.0))
+                   measured_s=data.get("measured_s", 0.0),
+                   varies_at=dict(data.get("varies_at", {})))
 
 
 def cache_path(fp: dict, root: Path | None = None) -> Path:
@@ -169,6 +171,43 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
         results.append((step, {n: statistics.median(t) / step for n, t in mode_times.items()},
                         {b: statistics.median(t) / step for b, t in drafting.items()}))
     return results if setups else results[0]
+
+
+@torch.inference_mode()
+def varies_at(backend, sizes: list[int], prefixes: Sequence[int] = (70, PREFIX)) -> str | None:
+    """The first step ("5 nodes", "2 rows") whose logits are not bit-identical to the same
+    tokens' logits in another layout, or None where none is: a chain's root against a one-token
+    step (the linear layers at n rows against 1), and the largest chain beside a longer row (its
+    nodes then sit past a gap, in a wider step) against itself alone, after each prefix length.
+    What exact mode promises, checked on this machine's kernels (a GEMM that picks its blocking
+    by the number of rows, as oneDNN may, would break it). Nothing is committed."""
+    device = backend.device
+    verifier = TransformersVerifier(backend, rows_hint=2)
+    vocab = backend.model.config.get_text_config().vocab_size
+    n = max(sizes)
+    chain = torch.randint(0, vocab, (n,), device=device)
+
+    def step(rows, tokens):  # each row's tokens as a chain -> logits [B, N, V]
+        return verifier.verify(rows, tokens, [build_tree([], t.numel() - 1).to(device) for t in tokens])[0]
+
+    for prefix in prefixes:
+        prefix = min(prefix, verifier.context_length - n - 41)
+        row, _, _ = verifier.add(torch.randint(0, vocab, (prefix,), device=device), n + 2)
+        try:
+            alone = step([row], [chain[:1]])[0, 0]
+            for m in sorted(set(sizes) - {1}):
+                if not torch.equal(step([row], [chain[:m]])[0, 0], alone):
+                    return f"{m} nodes"
+            longest = step([row], [chain])[0]
+            other, _, _ = verifier.add(torch.randint(0, vocab, (prefix + 37,), device=device), n + 2)
+            try:
+                if not torch.equal(step([row, other], [chain, chain[:2]])[0], longest):
+                    return "2 rows"
+            finally:
+                verifier.release(other)
+        finally:
+            verifier.release(row)
+    return None
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:
@@ -352,17 +391,32 @@ def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: b
             rates[exact] = fits[exact].speedup / curve.step_s
         else:  # nothing to fit: one step of the method's largest tree
             rates[exact] = 1 / (curve.step_s * curve.verify[n])
-    chosen = prefer_exact(rates[False], rates[True])
+    # is exact mode exact on this machine's kernels, at the step sizes it would run?
+    if fitting:
+        model.drafter.set_budget(fits[True].budget)
+    checked = model.tree_sizes(use_medusa)
+    exact_curve, exact_path, source = curves[True]
+    key = ",".join(map(str, checked))
+    if key not in exact_curve.varies_at or source == "measured":
+        use_fast_attention(base, exact=True)
+        exact_curve.varies_at[key] = varies_at(model.backend, checked)
+        save_curve(exact_curve, exact_path)
+    broken = exact_curve.varies_at[key]
+    chosen = broken is None and prefer_exact(rates[False], rates[True])
     use_fast_attention(base, exact=chosen)
     if fitting:
         model.drafter.set_budget(fits[chosen].budget)
     cost = 1 - rates[True] / rates[False]
     costs_here = f"costs {cost:.0%} of tokens/s on this machine" if cost > 0 else "no slower on this machine"
-    said = (f"exact mode: on ({costs_here}, at most {EXACT_MAX_COST:.0%} allowed: "
-            f"{str(base.dtype).removeprefix('torch.')} output is plain decoding's bit for bit, alone or in any batch; --no-exact turns it off)"
-            if chosen else
-            f"exact mode: off (it would cost {cost:.0%} of tokens/s on this machine, more than {EXACT_MAX_COST:.0%}; "
-            "--exact turns it on)")
+    if broken is not None:
+        said = (f"exact mode: off (on this machine a row's logits change in a step of {broken} even in exact mode: "
+                "its kernels are not row-invariant, so it could not keep its promise)")
+    else:
+        said = (f"exact mode: on ({costs_here}, at most {EXACT_MAX_COST:.0%} allowed: "
+                f"{str(base.dtype).removeprefix('torch.')} output is plain decoding's bit for bit, alone or in any batch; --no-exact turns it off)"
+                if chosen else
+                f"exact mode: off (it would cost {cost:.0%} of tokens/s on this machine, more than {EXACT_MAX_COST:.0%}; "
+                "--exact turns it on)")
     lines = [fits[chosen].line] if fitting else [reason.line] if fit and reason.source != "given" else []
     return ExactFit(chosen, lines + [said], cost)
 
