@@ -21,7 +21,7 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Built-in alias, Hu
 HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle drafter folder; default: the drafter shipped for the built-in model (with --tree: its Medusa heads).")
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
-ExactOpt = typer.Option(None, "--exact/--no-exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch. Default: on where this machine's calibration measures it costs at most 10%% of tokens/s (bf16 and fp16; fp32 output is exact either way).")
+ExactOpt = typer.Option(None, "--exact/--no-exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch. Default: on where this machine's calibration measures it costs at most 10% of tokens/s (bf16 and fp16; fp32 output is exact either way).")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile the verification step (about 30 s per new shape on this CPU, then ~1.6x faster steps); pays off over many generations.")
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
