@@ -203,9 +203,12 @@ class FixedSpeculation:
 class AdaptiveSpeculation:
     """The budget of each step chosen from measured throughput at the current number of rows.
 
-    For each bucket of row counts (1, 2, 3-4, 5-8, ...) it keeps a running mean of tokens per
-    second of step time (drafting, verification and acceptance) at each budget of `levels` (1 is
-    plain decoding): each level is measured `warm` times first, then the fastest is used, and
+    For each bucket of row counts (1, 2, 3-4, 5-8, ...) it keeps running means of the tokens a
+    step emits and of its time (drafting, verification and acceptance) at each budget of `levels`
+    (1 is plain decoding); their ratio is the level's tokens per second (a mean of per-step
+    ratios would favour the lucky steps: a speculative step that copies 9 tokens in half a step
+    counts 18 for one that emits 1 in two). Each level is measured `warm` times first, then the
+    fastest is used, and
     another level is measured again after `explore` steps. A re-measurement that leaves the
     fastest level in front doubles the wait before the next one (up to `max_explore` steps); one
     that changes the order starts it again at `explore`. So at every batch size speculation runs
@@ -218,7 +221,8 @@ class AdaptiveSpeculation:
                  max_explore: int = 256):
         self.levels = sorted(set(levels) | {1})
         self.warm, self.explore, self.alpha, self.max_explore = warm, explore, alpha, max_explore
-        self.rate: dict[tuple[int, int], float] = {}  # (rows, budget) -> tokens per second
+        self.tokens: dict[tuple[int, int], float] = {}  # (rows, budget) -> running mean of a step's tokens
+        self.seconds: dict[tuple[int, int], float] = {}  # (rows, budget) -> running mean of a step's seconds
         self.count: dict[tuple[int, int], int] = {}
         self.wait: dict[int, int] = {}  # rows -> steps from one re-measurement to the next
         self.due: dict[int, int] = {}  # rows -> steps left before the next re-measurement
@@ -229,8 +233,12 @@ class AdaptiveSpeculation:
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...: the largest row count of the bucket
 
+    def rate(self, rows: int, level: int) -> float:
+        """Tokens per second at `level` in the bucket of `rows` (measured)."""
+        return self.tokens[(rows, level)] / max(self.seconds[(rows, level)], 1e-9)
+
     def best(self, rows: int) -> int:
-        return max(self.levels, key=lambda lv: self.rate[(rows, lv)])
+        return max(self.levels, key=lambda lv: self.rate(rows, lv))
 
     def budget(self, rows: int) -> int:
         rows = self.bucket(rows)
@@ -249,9 +257,9 @@ class AdaptiveSpeculation:
     def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
         rows = self.bucket(rows)
         key = (rows, budget)
-        rate = tokens / max(seconds, 1e-9)
         n = self.count[key] = self.count.get(key, 0) + 1
-        self.rate[key] = rate if n == 1 else (1 - self.alpha) * self.rate[key] + self.alpha * rate
+        for mean, value in ((self.tokens, tokens), (self.seconds, seconds)):
+            mean[key] = value if n == 1 else (1 - self.alpha) * mean[key] + self.alpha * value
         probe = self.probing.get(rows)
         if probe is not None and probe[0] == budget:
             del self.probing[rows]
@@ -262,8 +270,8 @@ class AdaptiveSpeculation:
     def table(self) -> dict:
         """{row bucket: {budget: tokens/s}} measured so far."""
         out: dict[int, dict[int, float]] = {}
-        for (rows, level), rate in sorted(self.rate.items()):
-            out.setdefault(rows, {})[level] = round(rate, 1)
+        for rows, level in sorted(self.tokens):
+            out.setdefault(rows, {})[level] = round(self.rate(rows, level), 1)
         return out
 
 
