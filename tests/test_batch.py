@@ -285,6 +285,29 @@ def test_adaptive_speculation_weighs_steps_by_their_time_not_their_luck():
     assert policy.table()[4][8] == pytest.approx(4.0, rel=0.3) and policy.table()[4][1] == 5.0
 
 
+def test_adaptive_speculation_never_measures_a_bigger_tree_above_one_that_loses():
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation([1, 6, 12], warm=3, explore=8)
+    rate = {1: (8, 0.42), 6: (14, 1.2), 12: (16, 1.9)}  # 8 rows: plain 19 tok/s, the trees 12 and 8
+    chosen = []
+    for _ in range(400):
+        budget = policy.budget(8)
+        policy.observe(8, budget, *rate[budget])
+        chosen.append(budget)
+    assert chosen[:6] == [1, 1, 1, 6, 6, 6] and 12 not in chosen  # 12 is above 6, which loses
+    assert chosen.count(6) <= 3 + 10  # warm-up, then the neighbour re-measured ever less
+    # where the trees win, it climbs: 12 is measured once 6 beats plain
+    policy = AdaptiveSpeculation([1, 6, 12], warm=2, explore=8)
+    rate = {1: (1, 0.1), 6: (2.5, 0.12), 12: (3.2, 0.14)}
+    chosen = []
+    for _ in range(100):
+        budget = policy.budget(1)
+        policy.observe(1, budget, *rate[budget])
+        chosen.append(budget)
+    assert chosen[:6] == [1, 1, 6, 6, 12, 12] and chosen[-50:].count(12) > 45
+
+
 def test_context_limit_per_row():
     small = tiny_llama(max_positions=40)
     ps = [p[:20] for p in prompts(3, seed=6, lo=20, hi=30)] + [prompts(1, seed=7)[0][:5]]
