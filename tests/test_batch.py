@@ -230,9 +230,9 @@ def test_a_policy_turns_the_tree_off_under_load(model):
 def test_adaptive_speculation_picks_the_fastest_measured_budget():
     from medusa_decoding.engine import AdaptiveSpeculation
 
-    policy = AdaptiveSpeculation([1, 8], warm=2, explore=5)
-    # at 1 row the tree doubles the tokens for 1.2x the time; at 16 rows it costs 3x for 1.5x
-    rate = {(1, 1): (1, 1.0), (1, 8): (2, 1.2), (16, 1): (16, 1.0), (16, 8): (24, 3.0)}
+    policy = AdaptiveSpeculation([1, 8], warm=2, explore=5, probe_share=0.5)
+    # the tree emits 2 tokens a row; at 1 row for 1.2x the time, at 16 rows for 3x
+    rate = {(1, 1): (1, 1.0), (1, 8): (2, 1.2), (16, 1): (16, 1.0), (16, 8): (32, 3.0)}
     chosen = {1: [], 16: []}
     for _ in range(40):
         for rows in (1, 16):
@@ -243,6 +243,7 @@ def test_adaptive_speculation_picks_the_fastest_measured_budget():
     assert chosen[1][:4] == [1, 1, 8, 8] and chosen[16][:4] == [1, 1, 8, 8]  # each level measured first
     assert chosen[1][10:].count(8) > 20 and chosen[16][10:].count(1) > 20
     assert 1 in chosen[1][10:] and 8 in chosen[16][10:]  # still re-measured now and then
+    assert policy.table() == {1: {1: 1.0, 8: pytest.approx(1.67, abs=0.05)}, 16: {1: 16.0, 8: pytest.approx(10.67, abs=0.05)}}
 
 
 def test_adaptive_speculation_re_measures_ever_less_once_settled_and_follows_a_change():
@@ -256,11 +257,12 @@ def test_adaptive_speculation_re_measures_ever_less_once_settled_and_follows_a_c
         policy.observe(8, budget, *rate[budget])
         chosen.append(budget)
     slower = [i for i, b in enumerate(chosen) if b != 4]
+    assert chosen[:6] == [1, 1, 4, 4, 8, 8]
     assert len(slower) <= 6 + 20  # warm-up, then waits of 8, 16, 32, 64, 64 ... steps
     assert {chosen[i] for i in slower[6:]} == {1, 8}  # both others still re-measured, in turn
     assert chosen.count(4) > 970
-    # the load changes: plain decoding becomes the fastest; it is found within one wait and kept
-    rate[1] = (30, 1.0)
+    # the load changes: plain steps get 4x cheaper and fastest; it is found within one wait and kept
+    rate[1] = (8, 0.25)
     after = []
     for _ in range(300):
         budget = policy.budget(8)
@@ -270,19 +272,39 @@ def test_adaptive_speculation_re_measures_ever_less_once_settled_and_follows_a_c
 
 
 def test_adaptive_speculation_weighs_steps_by_their_time_not_their_luck():
-    """A tree that copies 9 tokens in half a step, then emits 1 in two steps' time: 10 tokens in
-    2.5 s (4/s) against plain's 5/s. The mean of its per-step rates (18 and 0.5: 9.25/s) would pick it."""
+    """At 4 rows a tree that copies 18 tokens in one plain step's time, then emits 4 in four: 22
+    tokens in 5 s (4.4/s) against plain's 5.7/s. The mean of its per-step rates (18 and 1: 9.5/s)
+    would pick it."""
     from medusa_decoding.engine import AdaptiveSpeculation
 
     policy = AdaptiveSpeculation([1, 8], warm=4, explore=8)
-    lucky = iter([(9, 0.5), (1, 2.0)] * 200)
+    lucky = iter([(18, 1.0), (4, 4.0)] * 200)
     chosen = []
     for _ in range(200):
         budget = policy.budget(4)
-        policy.observe(4, budget, *((5, 1.0) if budget == 1 else next(lucky)))
+        policy.observe(4, budget, *((4, 0.7) if budget == 1 else next(lucky)))
         chosen.append(budget)
     assert chosen[8:].count(1) > 160
-    assert policy.table()[4][8] == pytest.approx(4.0, rel=0.3) and policy.table()[4][1] == 5.0
+    assert policy.table()[4][8] == pytest.approx(4.4, rel=0.3) and policy.table()[4][1] == pytest.approx(5.71, abs=0.01)
+
+
+def test_adaptive_speculation_measures_a_rows_tokens_at_every_batch_size_together():
+    """Tokens a row emits belong to the drafter and the prompts: a level's tau is pooled over
+    batch sizes, so a few lucky copy steps at one batch size do not decide there."""
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation([1, 6], warm=2, explore=8)
+    tree_tokens = iter([1, 2] * 60)
+    for _ in range(60):  # one row: a tree emits 1.5 tokens a step for 1.2x plain's time
+        budget = policy.budget(1)
+        policy.observe(1, budget, 1 if budget == 1 else next(tree_tokens), 1.0 if budget == 1 else 1.2)
+    assert policy.tau[6] == pytest.approx(1.5, abs=0.2)
+    # 2 rows: plain costs 0.9 s, the tree 2.0 s; its first steps there copy 8 tokens a row
+    for tokens in (16, 16):
+        policy.observe(2, 6, tokens, 2.0)
+    policy.observe(2, 1, 2, 0.9), policy.observe(2, 1, 2, 0.9)
+    assert policy.tau[6] < 2.5  # those steps alone (8 a row) would make the tree look 3.6x faster
+    assert policy.best(2) == 1
 
 
 def test_adaptive_speculation_never_measures_a_bigger_tree_above_one_that_loses():
@@ -296,8 +318,9 @@ def test_adaptive_speculation_never_measures_a_bigger_tree_above_one_that_loses(
         policy.observe(8, budget, *rate[budget])
         chosen.append(budget)
     assert chosen[:6] == [1, 1, 1, 6, 6, 6] and 12 not in chosen  # 12 is above 6, which loses
-    assert chosen.count(6) <= 3 + 10  # warm-up, then the neighbour re-measured ever less
-    # where the trees win, it climbs: 12 is measured once 6 beats plain
+    assert chosen.count(6) <= 3 + 4  # warm-up, then the neighbour re-measured ever less
+    # where the trees win, it climbs: 12 is measured once 6 beats plain (each tree until 8 rows
+    # were seen at it: its tokens a row)
     policy = AdaptiveSpeculation([1, 6, 12], warm=2, explore=8)
     rate = {1: (1, 0.1), 6: (2.5, 0.12), 12: (3.2, 0.14)}
     chosen = []
@@ -305,7 +328,42 @@ def test_adaptive_speculation_never_measures_a_bigger_tree_above_one_that_loses(
         budget = policy.budget(1)
         policy.observe(1, budget, *rate[budget])
         chosen.append(budget)
-    assert chosen[:6] == [1, 1, 6, 6, 12, 12] and chosen[-50:].count(12) > 45
+    assert chosen[:18] == [1] * 2 + [6] * 8 + [12] * 8 and chosen[-50:].count(12) > 45
+
+
+def test_adaptive_speculation_keeps_plain_steps_where_a_tree_wins_by_less_than_the_margin():
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    for tree_s, want in ((0.98, 1), (0.9, 6)):  # plain 1 tok/s; the tree 1.02x, then 1.11x of it
+        policy = AdaptiveSpeculation([1, 6], warm=2, explore=8, margin=0.05)
+        chosen = []
+        for _ in range(100):
+            budget = policy.budget(1)
+            policy.observe(1, budget, 1, 1.0 if budget == 1 else tree_s)
+            chosen.append(budget)
+        assert chosen[-50:].count(want) > 45, (tree_s, chosen)
+
+
+def test_adaptive_speculation_skips_a_tree_that_lost_at_fewer_rows_and_probes_it_rarely():
+    """A bigger batch makes a tree dearer: where 4 rows found a tree slower than plain, 8 rows do
+    not warm it up; and a probe that costs several plain steps waits long enough to stay within
+    `probe_share` of the time."""
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation([1, 6], warm=2, explore=16, probe_share=0.02, max_explore=1000)
+    rate = {(4, 1): (4, 0.3), (4, 6): (6, 0.6), (8, 1): (8, 0.35), (8, 6): (12, 1.5)}
+    chosen = {4: [], 8: []}
+    for rows in (4, 8):
+        for _ in range(300):
+            budget = policy.budget(rows)
+            policy.observe(rows, budget, *rate[(rows, budget)])
+            chosen[rows].append(budget)
+    assert chosen[4][:4] == [1, 1, 6, 6]
+    assert chosen[8][:16] == [1] * 16  # not warmed up: it lost at 4 rows
+    # 8 rows: a probe costs 1.5 s for 12 tokens, which plain emits in 0.525 s: 2.8 steps too many,
+    # so after it the wait is >= 2.8 / 0.02 = 140 steps
+    assert chosen[8].count(6) == 2 and policy.wait[8] >= 139
+    assert (policy.wait[4], chosen[4].count(6)) < (policy.wait[8], 2 + 4)
 
 
 def test_context_limit_per_row():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -203,81 +204,127 @@ class FixedSpeculation:
 class AdaptiveSpeculation:
     """The budget of each step chosen from measured throughput at the current number of rows.
 
-    For each bucket of row counts (1, 2, 3-4, 5-8, ...) it keeps running means of the tokens a
-    step emits and of its time (drafting, verification and acceptance) at each budget of `levels`
-    (1 is plain decoding); their ratio is the level's tokens per second (a mean of per-step
-    ratios would favour the lucky steps: a speculative step that copies 9 tokens in half a step
-    counts 18 for one that emits 1 in two). The levels are measured `warm` times each first,
-    upwards while each beats those below it; then the fastest is used, and a neighbour of it is
-    measured again after `explore` steps. A re-measurement that leaves the
-    fastest level in front doubles the wait before the next one (up to `max_explore` steps); one
-    that changes the order starts it again at `explore`. So at every batch size speculation runs
-    only where, measured on this machine, it emits more tokens per second than plain batched
+    A level (a budget of `levels`; 1 is plain decoding) is worth its rows' accepted tokens per
+    second. The two factors are measured apart, because they vary apart:
+    - tokens per row and step belong to the drafter and the prompts, not to the batch: one
+      running mean per level, fed by every row of every step at that level, whatever the batch
+      size (a speculative step emits 1-10 tokens a row: a few steps of one batch size alone are
+      luck, e.g. one copy step);
+    - a step's seconds (drafting, verification, acceptance) and rows belong to the batch: running
+      means per bucket of row counts (1, 2, 3-4, 5-8, ...) and level. Its tokens/s is then
+      tau(level) x rows / seconds (a ratio of means: a mean of per-step ratios would favour the
+      lucky steps).
+    Each running mean is a plain average over its first 1/alpha samples, then exponential.
+    The levels are warmed up at a bucket upwards while each beats those below it, and only
+    where the next smaller bucket did not find the level slower than plain decoding (a bigger
+    batch makes a tree relatively dearer). Then the fastest is used (the smallest level within
+    `margin` of the fastest: a tree that wins by less is not worth its variance), and a neighbour of it is
+    measured again now and then: a re-measurement that leaves the fastest in front doubles the
+    wait before the next one, and the wait is at least what keeps re-measuring within
+    `probe_share` of the time (a 20-node step at 16 rows costs several plain ones); one that
+    changes the order starts it again at `explore`. So at every batch size speculation runs only
+    where, measured on this machine, it emits more tokens per second than plain batched
     decoding, and a settled choice costs ever fewer steps at slower levels. One policy lives as
     long as its server (or bench): what it measured carries over.
     """
 
-    def __init__(self, levels: Iterable[int], warm: int = 3, explore: int = 16, alpha: float = 0.25,
-                 max_explore: int = 256):
+    def __init__(self, levels: Iterable[int], warm: int = 2, explore: int = 16, alpha: float = 0.25,
+                 max_explore: int = 256, warm_rows: int = 8, tau_alpha: float = 0.02, probe_share: float = 0.02,
+                 margin: float = 0.05):
         self.levels = sorted(set(levels) | {1})
         self.warm, self.explore, self.alpha, self.max_explore = warm, explore, alpha, max_explore
-        self.tokens: dict[tuple[int, int], float] = {}  # (rows, budget) -> running mean of a step's tokens
-        self.seconds: dict[tuple[int, int], float] = {}  # (rows, budget) -> running mean of a step's seconds
+        self.warm_rows, self.tau_alpha, self.probe_share, self.margin = warm_rows, tau_alpha, probe_share, margin
+        self.tau: dict[int, float] = {1: 1.0}  # budget -> running mean of a row's tokens in a step, every batch size
+        self.tau_rows: dict[int, float] = {1: math.inf}  # budget -> row-steps measured (plain: 1 token a row, always)
+        self.seconds: dict[tuple[int, int], float] = {}  # (bucket, budget) -> running mean of a step's seconds
+        self.rows: dict[tuple[int, int], float] = {}  # (bucket, budget) -> running mean of a step's rows
         self.count: dict[tuple[int, int], int] = {}
-        self.wait: dict[int, int] = {}  # rows -> steps from one re-measurement to the next
-        self.due: dict[int, int] = {}  # rows -> steps left before the next re-measurement
-        self.probes: dict[int, int] = {}  # rows -> re-measurements so far (which level is next)
-        self.probing: dict[int, tuple[int, int]] = {}  # rows -> (level re-measured now, the fastest before it)
+        self.wait: dict[int, int] = {}  # bucket -> steps from one re-measurement to the next
+        self.due: dict[int, int] = {}  # bucket -> steps left before the next re-measurement
+        self.probes: dict[int, int] = {}  # bucket -> re-measurements so far (which level is next)
+        self.probing: dict[int, tuple[int, int]] = {}  # bucket -> (level re-measured now, the fastest before it)
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...: the largest row count of the bucket
 
-    def rate(self, rows: int, level: int) -> float:
-        """Tokens per second at `level` in the bucket of `rows` (measured)."""
-        return self.tokens[(rows, level)] / max(self.seconds[(rows, level)], 1e-9)
+    def measured(self, bucket: int, level: int) -> bool:
+        return (bucket, level) in self.seconds and level in self.tau
 
-    def best(self, rows: int) -> int:
-        return max((lv for lv in self.levels if (rows, lv) in self.tokens), key=lambda lv: self.rate(rows, lv))
+    def rate(self, bucket: int, level: int) -> float:
+        """Tokens per second at `level` in `bucket` (measured)."""
+        return self.tau[level] * self.rows[(bucket, level)] / max(self.seconds[(bucket, level)], 1e-9)
+
+    def best(self, bucket: int, among: Sequence[int] | None = None) -> int:
+        """The smallest measured level within `margin` of the fastest: where a bigger tree wins by
+        less, the smaller one's steps are cheaper, steadier and need no re-measuring to stay ahead."""
+        levels = [lv for lv in among or self.levels if self.measured(bucket, lv)]
+        fastest = max(self.rate(bucket, lv) for lv in levels)
+        return next(lv for lv in levels if self.rate(bucket, lv) * (1 + self.margin) >= fastest)
+
+    def _warmed(self, bucket: int, level: int) -> bool:
+        return self.count.get((bucket, level), 0) >= self.warm and self.tau_rows.get(level, 0) >= self.warm_rows
+
+    def _loses_below(self, bucket: int, level: int) -> bool:
+        """The next smaller bucket measured this level slower than plain decoding."""
+        smaller = [b for b in range(bucket.bit_length() - 2, -1, -1) if self.measured(1 << b, level)
+                   and self.measured(1 << b, 1)]
+        return bool(smaller) and self.rate(1 << smaller[0], level) < self.rate(1 << smaller[0], 1)
 
     def budget(self, rows: int) -> int:
-        rows = self.bucket(rows)
+        bucket = self.bucket(rows)
         # warm up along the levels, upwards, while each beats every one below it: a bigger tree
         # costs more, so above a level that loses the next one is not worth its steps (at 8 rows
         # on the EPYC a 20-node step takes 4x a plain one)
         for i, level in enumerate(self.levels):
-            if self.count.get((rows, level), 0) < self.warm:
-                if i == 0 or self.best(rows) == self.levels[i - 1]:
+            if not self._warmed(bucket, level):
+                # (a level in its warm-up may lead already)
+                if i == 0 or (self.best(bucket, self.levels[: i + 1]) in (self.levels[i - 1], level)
+                              and not self._loses_below(bucket, level)):
                     return level
                 break
-        best = self.best(rows)
-        self.due[rows] = self.due.get(rows, self.wait.setdefault(rows, self.explore)) - 1
-        if self.due[rows] > 0 or len(self.levels) == 1:
+        best = self.best(bucket)
+        self.due[bucket] = self.due.get(bucket, self.wait.setdefault(bucket, self.explore)) - 1
+        if self.due[bucket] > 0 or len(self.levels) == 1:
             return best
         i = self.levels.index(best)  # re-measure a neighbour of the fastest now and then, in turn
         others = [self.levels[j] for j in (i - 1, i + 1) if 0 <= j < len(self.levels)]
-        probe = self.probes[rows] = self.probes.get(rows, -1) + 1
-        self.probing[rows] = (others[probe % len(others)], best)
-        return self.probing[rows][0]
+        probe = self.probes[bucket] = self.probes.get(bucket, -1) + 1
+        self.probing[bucket] = (others[probe % len(others)], best)
+        return self.probing[bucket][0]
 
     def observe(self, rows: int, budget: int | None, tokens: int, seconds: float) -> None:
-        rows = self.bucket(rows)
-        key = (rows, budget)
+        bucket = self.bucket(rows)
+        key = (bucket, budget)
         n = self.count[key] = self.count.get(key, 0) + 1
-        for mean, value in ((self.tokens, tokens), (self.seconds, seconds)):
-            mean[key] = value if n == 1 else (1 - self.alpha) * mean[key] + self.alpha * value
-        probe = self.probing.get(rows)
+        weight = max(self.alpha, 1 / n)
+        for mean, value in ((self.seconds, seconds), (self.rows, rows)):
+            mean[key] = value if n == 1 else (1 - weight) * mean[key] + weight * value
+        if budget != 1:
+            seen = self.tau_rows[budget] = self.tau_rows.get(budget, 0) + rows
+            weight = min(1.0, rows * max(self.tau_alpha, 1 / seen))
+            self.tau[budget] = (1 - weight) * self.tau.get(budget, 0.0) + weight * tokens / rows
+        probe = self.probing.get(bucket)
         if probe is not None and probe[0] == budget:
-            del self.probing[rows]
-            settled = self.best(rows) == probe[1]
-            self.wait[rows] = min(2 * self.wait[rows], self.max_explore) if settled else self.explore
-            self.due[rows] = self.wait[rows]
+            del self.probing[bucket]
+            level, best = probe
+            alone = self.tau[level] * rows / max(seconds, 1e-9)  # this probe's own rate (its time; tau pooled)
+            if self.best(bucket) == best and alone < self.rate(bucket, best) * (1 + self.margin):  # settled: wait longer, and long
+                # enough that probes stay cheap
+                # a probe's time beyond what the fastest level needs for its tokens, in steps of it
+                extra = (self.seconds[key] - self.tau[level] * self.rows[key] / self.rate(bucket, best)) \
+                    / max(self.seconds[(bucket, best)], 1e-9)
+                self.wait[bucket] = min(max(2 * self.wait[bucket], math.ceil(extra / self.probe_share)), self.max_explore)
+            else:
+                self.wait[bucket] = self.explore
+            self.due[bucket] = self.wait[bucket]
 
     def table(self) -> dict:
         """{row bucket: {budget: tokens/s}} measured so far."""
         out: dict[int, dict[int, float]] = {}
-        for rows, level in sorted(self.tokens):
-            out.setdefault(rows, {})[level] = round(self.rate(rows, level), 1)
+        for bucket, level in sorted(self.seconds):
+            if self.measured(bucket, level):
+                out.setdefault(bucket, {})[level] = round(self.rate(bucket, level), 1)
         return out
 
 
