@@ -265,11 +265,35 @@ class AdaptiveSpeculation:
     def _warmed(self, bucket: int, level: int) -> bool:
         return self.count.get((bucket, level), 0) >= self.warm and self.tau_rows.get(level, 0) >= self.warm_rows
 
+    def _below(self, bucket: int, level: int) -> int | None:
+        """The largest bucket up to `bucket` where `level` and plain decoding were both measured."""
+        return next((1 << b for b in range(bucket.bit_length() - 1, -1, -1)
+                     if self.measured(1 << b, level) and self.measured(1 << b, 1)), None)
+
     def _loses_below(self, bucket: int, level: int) -> bool:
-        """The next smaller bucket measured this level slower than plain decoding."""
-        smaller = [b for b in range(bucket.bit_length() - 2, -1, -1) if self.measured(1 << b, level)
-                   and self.measured(1 << b, 1)]
-        return bool(smaller) and self.rate(1 << smaller[0], level) < self.rate(1 << smaller[0], 1)
+        """A smaller bucket (the largest measured) found this level slower than plain decoding."""
+        below = self._below(bucket // 2, level) if bucket > 1 else None
+        return below is not None and self.rate(below, level) < self.rate(below, 1)
+
+    def _spacing(self, bucket: int, level: int, best: int) -> int:
+        """Steps between re-measurements of `level` that keep them within probe_share of the time:
+        a probe's time beyond what `best` needs for its tokens, in steps of `best`, over the share.
+        Measured at this bucket, else at the largest smaller one (a lower bound: more rows make a
+        tree dearer); `explore` when neither measured it."""
+        at = bucket if self.measured(bucket, level) and self.measured(bucket, best) else None
+        if at is None:
+            at = next((1 << b for b in range(bucket.bit_length() - 2, -1, -1)
+                       if self.measured(1 << b, level) and self.measured(1 << b, best)), None)
+        if at is None:
+            return self.explore
+        key = (at, level)
+        extra = (self.seconds[key] - self.tau[level] * self.rows[key] / self.rate(at, best)) \
+            / max(self.seconds[(at, best)], 1e-9)
+        return min(max(self.explore, math.ceil(extra / self.probe_share)), self.max_explore)
+
+    def _neighbours(self, best: int) -> list[int]:
+        i = self.levels.index(best)
+        return [self.levels[j] for j in (i - 1, i + 1) if 0 <= j < len(self.levels)]
 
     def budget(self, rows: int) -> int:
         bucket = self.bucket(rows)
@@ -284,11 +308,14 @@ class AdaptiveSpeculation:
                     return level
                 break
         best = self.best(bucket)
-        self.due[bucket] = self.due.get(bucket, self.wait.setdefault(bucket, self.explore)) - 1
-        if self.due[bucket] > 0 or len(self.levels) == 1:
+        if len(self.levels) == 1:
             return best
-        i = self.levels.index(best)  # re-measure a neighbour of the fastest now and then, in turn
-        others = [self.levels[j] for j in (i - 1, i + 1) if 0 <= j < len(self.levels)]
+        others = self._neighbours(best)  # re-measured now and then, in turn
+        if bucket not in self.wait:  # the first wait: what the warm-up (or fewer rows) measured them at
+            self.wait[bucket] = max(self._spacing(bucket, lv, best) for lv in others)
+        self.due[bucket] = self.due.get(bucket, self.wait[bucket]) - 1
+        if self.due[bucket] > 0:
+            return best
         probe = self.probes[bucket] = self.probes.get(bucket, -1) + 1
         self.probing[bucket] = (others[probe % len(others)], best)
         return self.probing[bucket][0]
@@ -309,12 +336,9 @@ class AdaptiveSpeculation:
             del self.probing[bucket]
             level, best = probe
             alone = self.tau[level] * rows / max(seconds, 1e-9)  # this probe's own rate (its time; tau pooled)
-            if self.best(bucket) == best and alone < self.rate(bucket, best) * (1 + self.margin):  # settled: wait longer, and long
-                # enough that probes stay cheap
-                # a probe's time beyond what the fastest level needs for its tokens, in steps of it
-                extra = (self.seconds[key] - self.tau[level] * self.rows[key] / self.rate(bucket, best)) \
-                    / max(self.seconds[(bucket, best)], 1e-9)
-                self.wait[bucket] = min(max(2 * self.wait[bucket], math.ceil(extra / self.probe_share)), self.max_explore)
+            if self.best(bucket) == best and alone < self.rate(bucket, best) * (1 + self.margin):
+                # settled: wait twice as long, and long enough that probes stay cheap
+                self.wait[bucket] = min(max(2 * self.wait[bucket], self._spacing(bucket, level, best)), self.max_explore)
             else:
                 self.wait[bucket] = self.explore
             self.due[bucket] = self.wait[bucket]
