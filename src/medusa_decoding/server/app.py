@@ -7,7 +7,8 @@ and a page on `/` (page.html: chat, every token coloured by how it was produced)
 
 Every method `medusa generate` runs is served, the default included: each row has its own
 proposer state. Speculation adapts to load (engine.AdaptiveSpeculation): each step's budget is
-the one measured fastest at the current number of active rows, plain decoding included. Every
+the one measured fastest at the current number of active rows, plain decoding included (a tree
+must win by more than 5%). Every
 response carries an extension field `medusa`: steps and mean accepted length (bonus included);
 each streamed chunk's `medusa.tokens` gives every token's text, step, depth and source (README,
 "Serving"). A request with `"speculative": false` is decoded plainly.
