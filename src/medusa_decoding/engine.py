@@ -216,10 +216,10 @@ class AdaptiveSpeculation:
       lucky steps).
     Each running mean is a plain average over its first 1/alpha samples, then exponential.
     The levels are warmed up at a bucket upwards while each beats those below it, and only
-    where the next smaller bucket did not find the level slower than plain decoding (a bigger
-    batch makes a tree relatively dearer). Then the fastest is used (the smallest level within
-    `margin` of the fastest: a tree that wins by less is not worth its variance), and a neighbour of it is
-    measured again now and then: a re-measurement that leaves the fastest in front doubles the
+    where the largest smaller bucket that measured the level did not find it slower than plain
+    decoding (a bigger batch makes a tree relatively dearer). Then the fastest is used (the
+    smallest level within `margin` of the fastest: a tree that wins by less is not worth its
+    variance), and a neighbour of it is measured again now and then: a re-measurement that leaves the fastest in front doubles the
     wait before the next one, and the wait is at least what keeps re-measuring within
     `probe_share` of the time (a 20-node step at 16 rows costs several plain ones); one that
     changes the order starts it again at `explore`. So at every batch size speculation runs only
@@ -265,14 +265,14 @@ class AdaptiveSpeculation:
     def _warmed(self, bucket: int, level: int) -> bool:
         return self.count.get((bucket, level), 0) >= self.warm and self.tau_rows.get(level, 0) >= self.warm_rows
 
-    def _below(self, bucket: int, level: int) -> int | None:
-        """The largest bucket up to `bucket` where `level` and plain decoding were both measured."""
+    def _measured_at(self, bucket: int, level: int, other: int) -> int | None:
+        """The largest bucket up to `bucket` where `level` and `other` were both measured."""
         return next((1 << b for b in range(bucket.bit_length() - 1, -1, -1)
-                     if self.measured(1 << b, level) and self.measured(1 << b, 1)), None)
+                     if self.measured(1 << b, level) and self.measured(1 << b, other)), None)
 
     def _loses_below(self, bucket: int, level: int) -> bool:
         """A smaller bucket (the largest measured) found this level slower than plain decoding."""
-        below = self._below(bucket // 2, level) if bucket > 1 else None
+        below = self._measured_at(bucket // 2, level, 1) if bucket > 1 else None
         return below is not None and self.rate(below, level) < self.rate(below, 1)
 
     def _spacing(self, bucket: int, level: int, best: int) -> int:
@@ -280,10 +280,7 @@ class AdaptiveSpeculation:
         a probe's time beyond what `best` needs for its tokens, in steps of `best`, over the share.
         Measured at this bucket, else at the largest smaller one (a lower bound: more rows make a
         tree dearer); `explore` when neither measured it."""
-        at = bucket if self.measured(bucket, level) and self.measured(bucket, best) else None
-        if at is None:
-            at = next((1 << b for b in range(bucket.bit_length() - 2, -1, -1)
-                       if self.measured(1 << b, level) and self.measured(1 << b, best)), None)
+        at = self._measured_at(bucket, level, best)
         if at is None:
             return self.explore
         key = (at, level)
