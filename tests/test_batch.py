@@ -344,6 +344,26 @@ def test_adaptive_speculation_keeps_plain_steps_where_a_tree_wins_by_less_than_t
         assert chosen[-50:].count(want) > 45, (tree_s, chosen)
 
 
+def test_adaptive_speculation_keeps_the_calibrated_budget_at_one_row_unless_another_is_faster():
+    """One row keeps `prefer` (the budget calibrated for one row, what `generate` runs) while it
+    is within the margin of the fastest, even above a smaller tree that lost; more rows do not."""
+    from medusa_decoding.engine import AdaptiveSpeculation
+
+    # plain 1 tok/s; budget 6 0.9x of it, budget 12 then 0.98x (kept at 1 row), 0.9x (not)
+    for tree12_s, want in ((1.02, 12), (1.11, 1)):
+        policy = AdaptiveSpeculation([1, 6, 12], warm=2, explore=8, margin=0.05, prefer=12)
+        chosen = {1: [], 2: []}
+        for _ in range(100):
+            for rows in (1, 2):
+                budget = policy.budget(rows)
+                seconds = {1: 1.0, 6: 1.11, 12: tree12_s}[budget]
+                policy.observe(rows, budget, rows, seconds * rows)
+                chosen[rows].append(budget)
+        assert chosen[1][:18] == [1] * 2 + [6] * 8 + [12] * 8, chosen[1]  # a tree warms up over 8 row-steps
+        assert chosen[1][-50:].count(want) > 45, (tree12_s, chosen[1])
+        assert 12 not in chosen[2] and chosen[2][-50:].count(1) > 45  # 2 rows: the smallest within the margin
+
+
 def test_adaptive_speculation_skips_a_tree_that_lost_at_fewer_rows_and_probes_it_rarely():
     """A bigger batch makes a tree dearer: where 4 rows found a tree slower than plain, 8 rows do
     not warm it up; and a probe that costs several plain steps waits long enough to stay within

@@ -179,11 +179,12 @@ class Method:
         return 2 if self.ngram is not None else 1
 
     def adaptive(self) -> AdaptiveSpeculation | None:
-        """A load policy over its budgets: plain, half its own, its own (None when plain)."""
+        """A load policy over its budgets: plain, half its own, its own (None when plain); one
+        row keeps its own (fitted to this machine at one row) unless another measures faster."""
         if not self.speculative:
             return None
         budget = self.default_budget
-        return AdaptiveSpeculation({1, max(budget // 2, 1), budget})
+        return AdaptiveSpeculation({1, max(budget // 2, 1), budget}, prefer=budget)
 
     def describe(self) -> str:
         parts = [self.drafter.describe()] if self.drafter is not None else []
@@ -219,7 +220,8 @@ class AdaptiveSpeculation:
     where the largest smaller bucket that measured the level did not find it slower than plain
     decoding (a bigger batch makes a tree relatively dearer). Then the fastest is used (the
     smallest level within `margin` of the fastest: a tree that wins by less is not worth its
-    variance), and a neighbour of it is measured again now and then: a re-measurement that leaves the fastest in front doubles the
+    variance; at one row, `prefer` where it is within `margin`: the budget calibrated for one
+    row, so a lone request decodes as `generate` does), and a neighbour of it is measured again now and then: a re-measurement that leaves the fastest in front doubles the
     wait before the next one, and the wait is at least what keeps re-measuring within
     `probe_share` of the time (a 20-node step at 16 rows costs several plain ones); one that
     changes the order starts it again at `explore`. So at every batch size speculation runs only
@@ -230,8 +232,9 @@ class AdaptiveSpeculation:
 
     def __init__(self, levels: Iterable[int], warm: int = 2, explore: int = 16, alpha: float = 0.25,
                  max_explore: int = 256, warm_rows: int = 8, tau_alpha: float = 0.02, probe_share: float = 0.02,
-                 margin: float = 0.05):
+                 margin: float = 0.05, prefer: int | None = None):
         self.levels = sorted(set(levels) | {1})
+        self.prefer = prefer  # the level one row keeps while it is within `margin` of the fastest
         self.warm, self.explore, self.alpha, self.max_explore = warm, explore, alpha, max_explore
         self.warm_rows, self.tau_alpha, self.probe_share, self.margin = warm_rows, tau_alpha, probe_share, margin
         self.tau: dict[int, float] = {1: 1.0}  # budget -> running mean of a row's tokens in a step, every batch size
@@ -257,9 +260,12 @@ class AdaptiveSpeculation:
 
     def best(self, bucket: int, among: Sequence[int] | None = None) -> int:
         """The smallest measured level within `margin` of the fastest: where a bigger tree wins by
-        less, the smaller one's steps are cheaper, steadier and need no re-measuring to stay ahead."""
+        less, the smaller one's steps are cheaper, steadier and need no re-measuring to stay ahead.
+        At one row `prefer` comes first: a calibration chose it there from longer measurements."""
         levels = [lv for lv in among or self.levels if self.measured(bucket, lv)]
         fastest = max(self.rate(bucket, lv) for lv in levels)
+        if bucket == 1 and self.prefer in levels:
+            levels.insert(0, self.prefer)
         return next(lv for lv in levels if self.rate(bucket, lv) * (1 + self.margin) >= fastest)
 
     def _warmed(self, bucket: int, level: int) -> bool:
@@ -304,6 +310,8 @@ class AdaptiveSpeculation:
                               and not self._loses_below(bucket, level)):
                     return level
                 break
+        if bucket == 1 and self.prefer in self.levels and not self._warmed(1, self.prefer):
+            return self.prefer  # one row measures its calibrated level whatever the levels below did
         best = self.best(bucket)
         if len(self.levels) == 1:
             return best
