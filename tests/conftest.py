@@ -158,3 +158,17 @@ def decode(model, input_ids, heads, tree, generation, sampling, eos_token_ids, s
     while not out.finished:
         (out,) = decoder.step()
         yield out.tokens
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory):
+    """Calibrations and compiled graphs of the test session go to a folder of its own, not the user's."""
+    import os
+
+    before = os.environ.get("MEDUSA_CACHE")
+    os.environ["MEDUSA_CACHE"] = str(tmp_path_factory.mktemp("medusa-cache"))
+    yield
+    if before is None:
+        del os.environ["MEDUSA_CACHE"]
+    else:
+        os.environ["MEDUSA_CACHE"] = before

@@ -162,3 +162,59 @@ def test_compiled_runner_gives_the_eager_tokens_and_warmup_covers_every_shape():
         for it in iterators:
             next(it, None)
     assert [s.token_ids for s in streams] == want and model.backend._spare is not None
+
+
+GRAPH_RUN = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import byte_tokenizer, tiny_llama
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.models import use_fast_attention
+
+torch.set_num_threads(int(sys.argv[1]))
+model = tiny_llama(max_positions=512)
+use_fast_attention(model)
+m = MedusaModel(model, byte_tokenizer(), compile=True)
+out = m.generate(torch.tensor([list(range(5, 45))]), max_new_tokens=12, use_medusa=False, ignore_eos=True)
+print(json.dumps({{"tokens": out.token_ids, **m.backend.stats()}}))
+"""
+
+
+def test_a_second_process_loads_the_compiled_graphs_instead_of_compiling(tmp_path):
+    """fp32 graphs are saved under $MEDUSA_CACHE/compiled: the next process loads every one (and
+    gives the same tokens); another machine key (here: threads) compiles its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = GRAPH_RUN.format(tests=str(Path(__file__).parent))
+
+    def run(threads: int) -> dict:
+        env = {**os.environ, "MEDUSA_CACHE": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", script, str(threads)], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(1), run(1)
+    assert first["frozen"] is False and first["graphs"] >= 1 and first["loaded"] == 0
+    assert second["loaded"] == second["graphs"] == first["graphs"] and second["tokens"] == first["tokens"]
+    assert len(list((tmp_path / "compiled").iterdir())) == 1
+    other = run(2)
+    assert other["loaded"] == 0 and other["tokens"] == first["tokens"]
+    assert len(list((tmp_path / "compiled").iterdir())) == 2
+
+
+def test_frozen_graphs_give_the_eager_tokens():
+    """The frozen path (bf16/fp16 on CPU by default; forced here in fp32): the reference tokens."""
+    from medusa_decoding.verifiers.compiled import CompiledBackend
+
+    reference, fast = tiny_llama(max_positions=512), tiny_llama(max_positions=512)
+    use_fast_attention(fast)
+    backend = CompiledBackend(fast, freeze=True)
+    model = MedusaModel(fast, byte_tokenizer(), backend=backend)
+    prompt = long_prompts(1, length=60)[0]
+    want = generate(reference, prompt, backend=EagerBackend(reference, slots=False), max_new_tokens=16)
+    assert model.generate(torch.tensor([prompt]), max_new_tokens=16, use_medusa=False, ignore_eos=True).token_ids == want
+    assert backend.stats()["frozen"] and backend.loaded == 0 and len(backend.shapes) == 1
