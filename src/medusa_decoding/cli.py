@@ -111,7 +111,7 @@ def generate(
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    compiled = f", {m.backend.compile_s:.0f} s of it compiling" if compile else ""
+    compiled = f", {m.backend.compile_s:.1f} s of it compiling or loading graphs" if compile else ""
     typer.echo(f"[{m.method(not no_medusa).describe()}] {stream.stats.summary()}{compiled}", err=True)
 
 

@@ -82,8 +82,9 @@ def write_report(path: Path, results: dict) -> None:
 def engine_line(engine: dict | None) -> str:
     if not engine or engine.get("backend") != "compiled":
         return f"Engine: eager ({(engine or {}).get('cache', 'slot')} cache)."
-    return (f"Engine: compiled verify step, {engine['graphs']} graphs (rows, nodes, width, slots), "
-            f"{engine['compile_s']:.0f} s compiling, left out of the timings.")
+    how = "frozen, compiled by this process" if engine.get("frozen") else f"{engine.get('loaded', 0)} loaded from the cache"
+    return (f"Engine: compiled verify step, {engine['graphs']} graphs (rows, nodes, width, slots; {how}), "
+            f"{engine['compile_s']:.0f} s compiling or loading them, left out of the timings.")
 
 
 def method_report(results: dict) -> list[str]:
