@@ -61,7 +61,7 @@ def test_the_cost_curve_is_cached_per_machine_fingerprint(model, tmp_path, monke
     assert again.source == "cached" and len(calls) == 1 and again.budget == first.budget and "cached" in again.line
 
     # another CPU (or thread count, dtype, verifier ...) is another machine: measured again, its own file
-    monkeypatch.setattr(costs, "cpu_info", lambda: ("Another CPU", ["avx2"]))
+    monkeypatch.setattr(costs, "processor_info", lambda device: ("Another CPU", ["avx2"]))
     other = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
     assert other.source == "measured" and len(calls) == 2 and other.path != first.path
 

@@ -212,15 +212,16 @@ def test_a_second_process_loads_the_compiled_graphs_instead_of_compiling(tmp_pat
     assert keys[0] != keys[1] and graph_key(tiny_llama(max_positions=256)) != graph_key(tiny_llama(max_positions=512))
 
 
-def test_frozen_graphs_give_the_eager_tokens():
-    """The frozen path (bf16/fp16 on CPU by default; forced here in fp32): the reference tokens."""
+def test_frozen_graphs_give_the_eager_tokens(tmp_path):
+    """The frozen path (bf16/fp16 on CPU by default; forced here in fp32): the reference tokens,
+    and nothing saved (a frozen graph cannot be)."""
     from medusa_decoding.verifiers.compiled import CompiledBackend
 
     reference, fast = tiny_llama(max_positions=512), tiny_llama(max_positions=512)
     use_fast_attention(fast)
-    backend = CompiledBackend(fast, freeze=True)
+    backend = CompiledBackend(fast, freeze=True, graphs=tmp_path)
     model = MedusaModel(fast, byte_tokenizer(), backend=backend)
     prompt = long_prompts(1, length=60)[0]
     want = generate(reference, prompt, backend=EagerBackend(reference, slots=False), max_new_tokens=16)
     assert model.generate(torch.tensor([prompt]), max_new_tokens=16, use_medusa=False, ignore_eos=True).token_ids == want
-    assert backend.stats()["frozen"] and backend.loaded == 0 and len(backend.shapes) == 1
+    assert backend.stats()["frozen"] and backend.loaded == 0 and len(backend.shapes) == 1 and not any(tmp_path.iterdir())

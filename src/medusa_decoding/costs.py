@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .attention import fits_short_query_attention
-from .models import cache_dir, cpu_info, use_fast_attention
+from .models import cache_dir, processor_info, use_fast_attention
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
@@ -44,10 +44,7 @@ EXACT_MAX_COST = 0.10  # exact mode is the default where it costs at most this s
 def fingerprint(model) -> dict:
     """What a cost curve depends on. model: a MedusaModel."""
     device = model.device
-    if device.type == "cuda":
-        cpu, isa = torch.cuda.get_device_name(device), []
-    else:
-        cpu, isa = cpu_info()
+    cpu, isa = processor_info(device)
     return {"model": model.name, "dtype": str(model.base.dtype).removeprefix("torch."), "device": device.type,
             "processor": cpu, "isa": isa, "threads": torch.get_num_threads(),
             "verifier": model.backend.stats()["backend"], "attention": model.base.config._attn_implementation,

@@ -72,6 +72,13 @@ def cpu_info() -> tuple[str, list[str]]:
     return name, [f for f in ISA_FLAGS if f in flags]
 
 
+def processor_info(device: torch.device) -> tuple[str, list[str]]:
+    """-> (the processor a model runs on, its ISA_FLAGS): the GPU's name (no flags) or cpu_info()."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device), []
+    return cpu_info()
+
+
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot products in hardware (AVX-512 BF16 or AMX)."""
     return any(f in cpu_info()[1] for f in NATIVE_BF16)

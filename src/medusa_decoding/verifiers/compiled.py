@@ -33,7 +33,7 @@ import torch
 
 from ..cache import SlotCache
 from ..config import MedusaError
-from ..models import cache_dir, cpu_info
+from ..models import cache_dir, processor_info
 from .transformers import EagerBackend, forward
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def graph_key(model) -> dict:
     import transformers
 
     device = next(model.parameters()).device
-    processor, isa = (torch.cuda.get_device_name(device), []) if device.type == "cuda" else cpu_info()
+    processor, isa = processor_info(device)
     return {"config": model.config.to_json_string(use_diff=False), "dtype": str(model.dtype), "device": device.type,
             "processor": processor, "isa": isa, "threads": torch.get_num_threads(),
             "attention": model.config._attn_implementation, "torch": torch.__version__,
