@@ -1,7 +1,9 @@
 """Where the time of one verification step goes: the reference path (transformers' SDPA and
-DynamicCache), the eager fast path (short-query attention, slot cache) and the compiled step.
+DynamicCache), the eager fast path (short-query attention, slot cache) and the compiled step,
+saved (weights as graph inputs, what compile mode auto loads) or frozen (weights folded in).
 
     .venv/bin/python scripts/profile_step.py --prefix 200 --nodes 1,16 --threads 2
+    .venv/bin/python scripts/profile_step.py --paths eager,saved,frozen --nodes 1,8 --top 0
 
 Prints the median step time of each path (interleaved rounds) and torch.profiler's top operators.
 Run it on a quiet machine: other jobs skew every figure.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -34,7 +38,8 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,16", help="comma-separated tree sizes to time")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--paths", default="reference,eager,compiled")
+    ap.add_argument("--paths", default="reference,eager,compiled",
+                    help="of reference, eager, compiled (the default freezing), saved, frozen")
     ap.add_argument("--top", type=int, default=8, help="operators shown per profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,9 +47,14 @@ def main() -> None:
     sizes = [int(n) for n in args.nodes.split(",")]
     paths = args.paths.split(",")
     prompt = torch.randint(100, 10_000, (1, args.prefix), generator=torch.Generator().manual_seed(0))
-    attention = {"reference": "sdpa", "eager": use_fast_attention(model), "compiled": model.config._attn_implementation}
-    backends = {"reference": EagerBackend(model, slots=False), "eager": EagerBackend(model),
-                "compiled": CompiledBackend(model)}
+    fast = use_fast_attention(model)
+    attention = {"reference": "sdpa", "eager": fast, "compiled": fast, "saved": fast, "frozen": fast}
+    graphs = Path(tempfile.mkdtemp())  # saved graphs compiled here, not loaded from the user's cache
+    backends = {"reference": lambda: EagerBackend(model, slots=False), "eager": lambda: EagerBackend(model),
+                "compiled": lambda: CompiledBackend(model, graphs=graphs),
+                "saved": lambda: CompiledBackend(model, freeze=False, graphs=graphs),
+                "frozen": lambda: CompiledBackend(model, freeze=True, graphs=graphs)}
+    backends = {path: backends[path]() for path in paths}
 
     def step_fn(path: str, n: int):
         tree = chain(n)
@@ -67,7 +77,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 model.set_attn_implementation(attention[path])
                 steps[path, n]()  # compiles the compiled path's graph
-                if path == "compiled":
+                if backends[path].compiled:
                     print(f"compiled {n} nodes: first call {time.perf_counter() - t0:.1f} s")
         times = {key: [] for key in steps}
         for _ in range(args.rounds):  # interleaved: drift hits every path alike
@@ -79,7 +89,7 @@ def main() -> None:
         print(f"\nstep time, median of {args.rounds} (ms), prefix {args.prefix}, {args.dtype}, {args.threads} threads")
         for (path, n), ts in times.items():
             print(f"  {path:9s} {n:3d} nodes  {statistics.median(ts) * 1000:6.2f}")
-        for (path, n), step in steps.items():
+        for (path, n), step in steps.items() if args.top else ():
             model.set_attn_implementation(attention[path])
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):

@@ -36,14 +36,15 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     folder, heads, data = setup
     out = tmp_path / "out"
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
-                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram,plain@exact,medusa@exact",
+                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram,plain@exact,medusa@exact,plain@compiled",
                                "--max-new-tokens", "8",
                                "--dtype", "float32", "--device", "cpu", "--out", out)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram", "plain@exact", "medusa@exact"]
+    assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram", "plain@exact", "medusa@exact",
+                                  "plain@compiled"]
     assert results["categories"] == ["writing", "coding"]
-    assert len(results["records"]) == 2 * 7
+    assert len(results["records"]) == 2 * 8
     writing = next(r for r in results["records"] if r["prompt"] == "1" and r["method"] == "medusa")
     assert len(writing["token_ids"]) == 2  # both turns asked
     overall = results["summary"]["overall"]
@@ -51,7 +52,7 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     assert overall["medusa"]["mean_accepted_length"] >= 1.0 and len(overall["medusa"]["acceptance_per_depth"]) <= 3
     assert overall["medusa"]["speedup_vs_plain"]["median"] > 0 and overall["hf"]["speedup_vs_plain"]["median"] > 0
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
-    for method in ("medusa", "dynamic", "medusa+ngram"):
+    for method in ("medusa", "dynamic", "medusa+ngram", "plain@compiled"):
         assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None, "reference": "plain"}
     # exact mode: each @exact method against plain@exact
     assert results["identity"]["medusa@exact"] == {"compared": 2, "differ": 0, "first": None, "reference": "plain@exact"}
@@ -240,6 +241,8 @@ def test_humaneval_prompts_only():
     (["--methods", "plain,fast"], "unknown method 'fast'"),
     (["--methods", "plain,hf@exact"], "hf@exact: @exact is for our engine's methods"),
     (["--methods", "plain@exact", "--compile"], "runs eager"),
+    (["--methods", "plain,hf@compiled"], "@compiled is for our engine's methods"),
+    (["--methods", "plain@compiled", "--compile"], "run eager beside it"),
     (["--methods", "plain,llama.cpp@exact"], "@exact is for our engine's methods"),
     (["--methods", "plain,llama.cpp", "-t", "0.7"], "plain greedy decoding: run it at temperature 0"),
     (["--methods", "plain,llama.cpp"], "decodes a GGUF file: pass --model FILE.gguf"),

@@ -292,11 +292,13 @@ def test_exact_mode_is_checked_row_invariant_on_this_machine_before_it_is_chosen
     from medusa_decoding.verifiers.transformers import EagerBackend
 
     sizes = [1, 2, 4, 8, 14, 22]
-    for exact, want in ((True, None), (False, "2 nodes")):
+    for exact in (True, False):
         base = tiny_llama(max_positions=512, seed=1).to(torch.bfloat16)
         use_fast_attention(base, exact=exact)
         torch.manual_seed(0)
-        assert costs.varies_at(EagerBackend(base), sizes) == want
+        found = costs.varies_at(EagerBackend(base), sizes)
+        # where the fast kernel's rounding first shows depends on the CPU (2 nodes on one EPYC, 14 on another)
+        assert found is None if exact else found.endswith((" nodes", " rows")), found
     base = tiny_llama(seed=3).to(torch.bfloat16)
     m = saved_hydra(base, tmp_path / "d")
     seeded_curves(m, tmp_path / "cache", 0.009)  # exact mode cheaper than fast: it would be chosen

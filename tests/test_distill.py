@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from medusa_decoding.bench.prompts import load_jsonl_prompts
 from medusa_decoding.config import DistillConfig, MedusaError
 from medusa_decoding.data import Contamination, distill, is_held_out, read_done
+from medusa_decoding.data import unpack as unpack_file
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import load_base
 from medusa_decoding.train import train
@@ -175,3 +176,37 @@ def test_evaluate_scores_a_hydra_checkpoint_as_training_did_and_refuses_what_it_
                        (("--heads", "shipped", "--data", tmp_path / "d"), "no drafter is shipped")]:
         code, _, err = run_cli(capsys, monkeypatch, "evaluate", *args)
         assert code == 2 and said in err, (args, err)
+
+
+def test_a_packed_folder_unpacks_to_the_same_conversations_and_resumes(base_dir, tmp_path, capsys, monkeypatch):
+    """--pack keeps token ids and spans only; --unpack rebuilds the shards (features by one forward,
+    to bf16 precision), data.jsonl and the manifest, and a later run goes on from there."""
+    data = chats(tmp_path / "c.jsonl", n=9, held_out=2)
+    kw = dict(source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
+    distill(str(base_dir), tmp_path / "d", stop_after=5, **kw)
+    packed = tmp_path / "d.jsonl.gz"
+    code, _, err = run_cli(capsys, monkeypatch, "distill-data", "--out", tmp_path / "d", "--pack", packed)
+    written = len(records(tmp_path / "d"))
+    assert code in (0, None) and f"packed {written} conversations" in err
+    assert packed.stat().st_size < 0.2 * sum(p.stat().st_size for p in (tmp_path / "d" / "features").iterdir())
+    code, _, err = run_cli(capsys, monkeypatch, "distill-data", "--out", tmp_path / "u", "--unpack", packed,
+                           "--data", data, "--device", "cpu")
+    assert code in (0, None) and f"rebuilt {written} conversations" in err
+    a, b = records(tmp_path / "d"), records(tmp_path / "u")
+    assert set(a) == set(b) and len(a) == written
+    for cid in a:
+        assert torch.equal(a[cid][0], b[cid][0]) and torch.equal(a[cid][1], b[cid][1]), cid
+        for k in (2, 3):
+            torch.testing.assert_close(a[cid][k].float(), b[cid][k].float(), atol=0.05, rtol=0.02)
+    texts = [{json.loads(line)["id"]: json.loads(line) for line in (tmp_path / f / "data.jsonl").read_text().split("\n")
+              if line.strip()} for f in ("d", "u")]
+    assert texts[0].keys() == texts[1].keys()
+    for cid, record in texts[0].items():  # an earlier turn's answer is rebuilt from its re-rendered tokens
+        turns, again = record["conversations"], texts[1][cid]["conversations"]
+        assert [t for t in turns if t["from"] == "human"] == [t for t in again if t["from"] == "human"]
+        assert turns[-1] == again[-1] and record["finish"] == texts[1][cid]["finish"]
+    assert json.loads((tmp_path / "u" / "manifest.json").read_text())["tokens"] == json.loads(
+        (tmp_path / "d" / "manifest.json").read_text())["tokens"]
+    assert unpack_file(packed, tmp_path / "u", source=str(data), device="cpu", progress=False) == 0  # nothing to redo
+    more = distill(str(base_dir), tmp_path / "u", **kw)
+    assert more["already done"] == written and more["written"] == 9 - written

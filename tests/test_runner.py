@@ -13,7 +13,7 @@ from medusa_decoding.tree import build_tree
 from medusa_decoding.verifiers.compiled import round_width
 from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier, forward
 
-from conftest import EOS, decode, byte_tokenizer, random_heads, tiny_llama
+from conftest import EOS, decode, byte_tokenizer, random_heads, save_tiny, tiny_llama
 
 
 class Groups:  # what transformers passes as `module`: only num_key_value_groups is read
@@ -225,3 +225,47 @@ def test_frozen_graphs_give_the_eager_tokens(tmp_path):
     want = generate(reference, prompt, backend=EagerBackend(reference, slots=False), max_new_tokens=16)
     assert model.generate(torch.tensor([prompt]), max_new_tokens=16, use_medusa=False, ignore_eos=True).token_ids == want
     assert backend.stats()["frozen"] and backend.loaded == 0 and len(backend.shapes) == 1 and not any(tmp_path.iterdir())
+
+
+def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tmp_path_factory, tmp_path):
+    """Mode auto: a shape without a saved graph runs eager (no compiling in the run) and is listed
+    for a background builder, which saves its graph; the same backend then loads it, and a fresh
+    backend starts compiled. Every run gives the eager reference's tokens."""
+    import os
+    import time
+
+    from medusa_decoding.verifiers.compiled import LOCK, WANTED, CompiledBackend, builder_alive
+
+    folder, _ = save_tiny(tmp_path_factory, max_positions=512, with_heads=False)
+    os.environ["MEDUSA_CACHE"], before = str(tmp_path), os.environ["MEDUSA_CACHE"]
+    try:
+        model = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+        backend = model.backend
+        assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto" and not backend.freeze
+        backend.builder_idle_s = 0.0  # the builder exits once the list is done
+        ids = torch.tensor([long_prompts(1, length=40)[0]])
+        reference = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", attn_implementation="sdpa")
+        want = reference.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids
+        t0 = time.perf_counter()
+        assert model.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
+        assert time.perf_counter() - t0 < 10  # nothing compiled in this process
+        stats = backend.stats()
+        assert stats["graphs"] == 0 and stats["eager_steps"] >= 11 and stats["missing"] == 1
+        assert backend.builder is not None and len(list((backend.folder / WANTED).glob("*.json"))) == 1
+        assert backend.builder.wait(timeout=300) == 0, (backend.folder / "builder.log").read_text()[-2000:]
+        assert not builder_alive(backend.folder) and not (backend.folder / LOCK).exists()
+        assert len(list(backend.folder.glob("*.pt2"))) == 1 and not list((backend.folder / WANTED).glob("*.json"))
+        backend.missing = dict.fromkeys(backend.missing, 0.0)  # as if RECHECK_S had passed
+        assert model.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
+        assert backend.loaded == 1 and backend.stats()["graphs"] == 1 and backend.stats()["missing"] == 0
+        again = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+        assert again.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
+        assert again.backend.stats()["eager_steps"] == 0 and again.backend.loaded == 1 and again.backend.builder is None
+        # exact mode keeps its eager kernels under auto
+        from medusa_decoding.engine import make_backend
+
+        exact = MedusaModel.from_pretrained(str(folder), dtype="bfloat16", device="cpu", compile="auto",
+                                            attn_implementation="exact")
+        assert not exact.backend.compiled and not make_backend(exact.base, "auto").compiled
+    finally:
+        os.environ["MEDUSA_CACHE"] = before

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .config import DEFAULT_MODEL, CalibrationMode, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
@@ -22,7 +22,7 @@ HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle dr
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch. Default: on where this machine's calibration measures it costs at most 10% of tokens/s (bf16 and fp16; fp32 output is exact either way).")
-CompileOpt = typer.Option(False, "--compile", help="torch.compile the verification step (about 30 s per new shape on this CPU, then ~1.6x faster steps); pays off over many generations.")
+CompileOpt = typer.Option(None, "--compile/--no-compile", help="torch.compile the verification step. Default (auto): in float32, the graphs this machine has saved are loaded (~2 s each) and the missing ones run eager while a background process (nice 19) builds them (~70 s each on a 2-core CPU) for this run and the next; --compile: build every graph in this process, waiting; --no-compile: eager.")
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
 NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
@@ -36,14 +36,15 @@ def fail(message: str) -> None:
 
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: Optional[int] = None, compile: bool = False, exact: Optional[bool] = None,
+               ngram: int = 0, tree_budget: Optional[int] = None, compile: Optional[bool] = False, exact: Optional[bool] = None,
                calibration: str = CalibrationMode.AUTO.value):
     """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
     the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
-    machine unless a tree or budget is given or --calibration shipped."""
-    from .engine import MedusaModel, shipped_heads
+    machine unless a tree or budget is given or --calibration shipped. compile: None is mode auto."""
+    from .engine import MedusaModel, make_backend, shipped_heads
 
     mode = CalibrationMode.parse(calibration)
+    compile_mode = CompileMode.AUTO if compile is None else CompileMode.parse(compile)
 
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
@@ -58,7 +59,8 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
             typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
     m = MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
                                     ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
-                                    compile=compile, attn_implementation="exact" if exact else "auto")
+                                    compile=CompileMode.OFF if compile_mode is CompileMode.AUTO else compile_mode,
+                                    attn_implementation="exact" if exact else "auto")
     fit_budget = m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED
     refresh = mode == CalibrationMode.REFRESH
     if exact is None and mode != CalibrationMode.SHIPPED:  # exact where it is (nearly) free here
@@ -66,7 +68,21 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
             typer.echo(line, err=True)
     elif fit_budget:
         typer.echo(m.fit_to_machine(refresh=refresh).line, err=True)
+    if compile_mode is CompileMode.AUTO:  # once exact mode is chosen: it keeps the eager kernels
+        m.backend = make_backend(m.base, compile_mode)
     return m
+
+
+def compile_summary(backend) -> str:
+    """What the compiled step did in this run, for generate's stats line ('' when eager)."""
+    if not backend.compiled:
+        return ""
+    s = backend.stats()
+    said = f", {s['compile_s']:.1f} s of it compiling or loading {s['graphs']} graphs"
+    if s["eager_steps"]:
+        said += (f"; {s['eager_steps']} steps ran eager, their {s['missing']} graphs being built in the background "
+                 f"for the next run ({backend.folder / 'builder.log'})")
+    return said
 
 
 @app.callback()
@@ -93,7 +109,7 @@ def generate(
     device: str = DeviceOpt,
     no_medusa: bool = NoMedusaOpt,
     ngram: int = NgramOpt,
-    compile: bool = CompileOpt,
+    compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
 ) -> None:
@@ -111,8 +127,7 @@ def generate(
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    compiled = f", {m.backend.compile_s:.1f} s of it compiling or loading graphs" if compile else ""
-    typer.echo(f"[{m.method(not no_medusa).describe()}] {stream.stats.summary()}{compiled}", err=True)
+    typer.echo(f"[{m.method(not no_medusa).describe()}] {stream.stats.summary()}{compile_summary(m.backend)}", err=True)
 
 
 @app.command("distill-data")
@@ -128,13 +143,27 @@ def distill_data(
     turns: int = typer.Option(DistillConfig.turns, "--turns", help="User turns asked per conversation: follow-ups come after the model's own answers."),
     max_length: int = typer.Option(DistillConfig.max_length, "--max-length", help="Prompt + answer tokens; a follow-up that would not fit is not asked."),
     exclude: str = typer.Option("spec-bench,humaneval", "--exclude", help="Benchmark suites whose prompts no training prompt may match (exact or near duplicate); '' for none."),
+    pack: Optional[Path] = typer.Option(None, "--pack", help="Write the --out folder's conversations as token ids to this file (.jsonl.gz, ~2 bytes a token, no features) and exit: small enough to commit."),
+    unpack: Optional[Path] = typer.Option(None, "--unpack", help="Rebuild the --out folder from a --pack file (features by one forward a conversation, ~0.1 s each; resumable); with --limit, go on distilling up to it."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Self-distillation data: the base model's own answers to ShareGPT's user turns, with its features."""
     from .bench.prompts import load_suite
     from .data import Contamination, distill
+    from .data import pack as pack_folder
+    from .data import unpack as unpack_file
 
+    if pack is not None:
+        typer.echo(f"packed {pack_folder(out, pack)} conversations of {out} into {pack}", err=True)
+        return
+    if unpack is not None:
+        if not unpack.is_file():
+            fail(f"--unpack {unpack}: no such file")
+        typer.echo(f"rebuilt {unpack_file(unpack, out, source=data, device=device)} conversations of {unpack} in {out}",
+                   err=True)
+        if limit is None:  # rebuilt only; a --limit goes on from there
+            return
     cfg = DistillConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
                         max_prompt_tokens=max_prompt_tokens, turns=turns, max_length=max_length)
     texts = {f"{suite}:{p.id}:{i}": t for suite in filter(None, exclude.split(",")) for p in load_suite(suite.strip())
@@ -158,7 +187,7 @@ def serve(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     no_medusa: bool = typer.Option(False, "--no-medusa", help="Plain batched decoding (the baseline)."),
-    compile: bool = CompileOpt,
+    compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
 ) -> None:
@@ -382,7 +411,7 @@ def bench(
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: bench_out/<timestamp>)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs default (load-adaptive budgets, as medusa serve runs it) under continuous batching at each batch size (first turns, greedy)."),
     batch_only: bool = typer.Option(False, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
-    compile: bool = CompileOpt,
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="Our engine's methods on the compiled verification step, every graph built (or loaded from $MEDUSA_CACHE) before it is timed; default: eager."),
     calibration: str = CalibrationOpt,
 ) -> None:
     """Methods side by side on the same prompts: results.json, report.md and plots in --out."""

@@ -71,6 +71,23 @@ class CalibrationMode(str, enum.Enum):
             raise MedusaError(f"unknown calibration {value!r}; use one of {', '.join(c.value for c in cls)}") from None
 
 
+class CompileMode(str, enum.Enum):
+    """How the verification step runs (verifiers/compiled.py)."""
+
+    AUTO = "auto"  # saved graphs where this machine has them, eager meanwhile; a background process builds the rest
+    ON = "on"  # every shape compiled (or loaded) on first use, the run waiting for it
+    OFF = "off"  # eager
+
+    @classmethod
+    def parse(cls, value) -> CompileMode:
+        if isinstance(value, bool) or value is None:
+            return cls.ON if value else cls.OFF
+        try:
+            return cls(value)
+        except ValueError:
+            raise MedusaError(f"unknown compile mode {value!r}; use one of {', '.join(c.value for c in cls)}") from None
+
+
 class Acceptance(str, enum.Enum):
     """How the base model's distribution decides which tree candidates to keep."""
 

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from .attention import fits_short_query_attention
+from .config import CompileMode
 from .models import cache_dir, processor_info, use_fast_attention
 from .tree import build_tree
-from .verifiers.transformers import TransformersVerifier
+from .verifiers.transformers import EagerBackend, TransformersVerifier
 
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration chooses among
 PREFIX = 300  # cached tokens before the measured steps: a typical chat prompt (not a multiple of exact
@@ -187,8 +188,11 @@ def varies_at(backend, sizes: list[int], prefixes: Sequence[int] = (70, PREFIX))
     def step(rows, tokens):  # each row's tokens as a chain -> logits [B, N, V]
         return verifier.verify(rows, tokens, [build_tree([], t.numel() - 1).to(device) for t in tokens])[0]
 
+    gap = min(37, (verifier.context_length - n - 4) // 2)  # the longer row's extra tokens
+    if gap < 1:  # no room for the check: exact mode is not promised
+        return f"{n} nodes (a context of {verifier.context_length} is too short to check)"
     for prefix in prefixes:
-        prefix = min(prefix, verifier.context_length - n - 41)
+        prefix = min(prefix, verifier.context_length - n - gap - 4)
         row, _, _ = verifier.add(torch.randint(0, vocab, (prefix,), device=device), n + 2)
         try:
             alone = step([row], [chain[:1]])[0, 0]
@@ -196,7 +200,7 @@ def varies_at(backend, sizes: list[int], prefixes: Sequence[int] = (70, PREFIX))
                 if not torch.equal(step([row], [chain[:m]])[0, 0], alone):
                     return f"{m} nodes"
             longest = step([row], [chain])[0]
-            other, _, _ = verifier.add(torch.randint(0, vocab, (prefix + 37,), device=device), n + 2)
+            other, _, _ = verifier.add(torch.randint(0, vocab, (prefix + gap,), device=device), n + 2)
             try:
                 if not torch.equal(step([row, other], [chain, chain[:2]])[0], longest):
                     return "2 rows"
@@ -302,9 +306,10 @@ def unfitted(model) -> Fit | None:
     if not drafter.acceptance():
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): it ships no "
                    "acceptance statistics to choose a budget from (`medusa calibrate --heads DIR` measures them)")
-    if model.backend.compiled:
+    if model.backend.compiled and model.backend.mode is not CompileMode.AUTO:
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): timing a compiled "
-                   "step at every size would compile each one (~30 s); fit the budget without --compile")
+                   "step at every size would compile each one (~30 s); fit the budget without --compile "
+                   "(compile mode auto, the default, fits it to the eager step's costs)")
     return None
 
 
@@ -341,8 +346,19 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     if reason is not None:
         return reason
     sizes, budgets = fit_sizes(model)
-    ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress, refresh).values()
-    return fit_budget(model, curve, path, source)
+    compiled = model.backend if model.backend.compiled else None
+    if compiled is not None:  # compile mode auto: fitted to the eager step's costs, measured eager
+        model.backend = EagerBackend(model.base)
+    try:
+        ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
+                                                  refresh).values()
+        fit = fit_budget(model, curve, path, source)
+    finally:
+        if compiled is not None:
+            model.backend = compiled
+    if compiled is not None:
+        fit.line = fit.line.replace("eager): ", "eager, as the steps run until their compiled graphs are built): ", 1)
+    return fit
 
 
 def prefer_exact(fast_rate: float, exact_rate: float, max_cost: float = EXACT_MAX_COST) -> bool:

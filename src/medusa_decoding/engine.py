@@ -31,14 +31,14 @@ import torch
 
 from . import proposers
 from .acceptance import accept
-from .config import DEFAULT_MODEL, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from .config import DEFAULT_MODEL, CompileMode, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .models import load_base
 from .proposers import Drafter, Proposer
 from .proposers.ngram import NgramBranch
 from .text import TextDecoder
 from .tree import TreeBuffers, build_tree
 from .verifiers import Verifier
-from .verifiers.compiled import CompiledBackend
+from .verifiers.compiled import CompiledBackend, compiles_by_default
 from .verifiers.transformers import EagerBackend, TransformersVerifier
 
 ROOT_ONLY = build_tree([])
@@ -604,18 +604,28 @@ class TextStream:
                 break
 
 
+def make_backend(base, compile: bool | CompileMode | str = False) -> EagerBackend:
+    """How the base runs: eager, or compiled (mode on; mode auto where compiles_by_default)."""
+    mode = CompileMode.parse(compile)
+    if mode is CompileMode.AUTO and not compiles_by_default(base):
+        mode = CompileMode.OFF
+    return EagerBackend(base) if mode is CompileMode.OFF else CompiledBackend(base, mode=mode)
+
+
 class MedusaModel:
     """A base causal LM, a method (a drafter and an n-gram branch), and a backend (eager or
     compiled) shared by every generation."""
 
     def __init__(self, base, tokenizer, heads=None, tree=None, name: str = "", ngram: NgramConfig | bool | None = None,
-                 tree_budget: int | None = None, backend: EagerBackend | None = None, compile: bool = False):
+                 tree_budget: int | None = None, backend: EagerBackend | None = None,
+                 compile: bool | CompileMode | str = False):
         """heads: drafter weights (MedusaHeads, HydraHeads, EagleDrafter, any registered kind), a
-        Drafter, or None (plain decoding). tree: for Medusa heads (file, paths, "dynamic")."""
+        Drafter, or None (plain decoding). tree: for Medusa heads (file, paths, "dynamic").
+        compile: a CompileMode (True: on, False: off)."""
         self.base, self.tokenizer = base, tokenizer
         self.name = name or base.config.name_or_path
         # how the base runs; share one backend between models on the same base
-        self.backend = backend or (CompiledBackend(base) if compile else EagerBackend(base))
+        self.backend = backend or make_backend(base, compile)
         if heads is None or isinstance(heads, Drafter):
             self.drafter = heads
         else:
@@ -693,7 +703,7 @@ class MedusaModel:
         device: str = "auto",
         attn_implementation: str = "auto",
         ngram: NgramConfig | bool | None = None,
-        compile: bool = False,
+        compile: bool | CompileMode | str = False,
     ) -> MedusaModel:
         """Load a base model (built-in alias, HF folder or .gguf) and a drafter.
 
@@ -704,10 +714,15 @@ class MedusaModel:
         re-selects the tree_budget most probable nodes every step. A hydra/eagle drafter drafts
         its own tree every step (tree_budget nodes; default: the checkpoint's). ngram: True (or
         an NgramConfig) adds a prompt-lookup branch to every tree. compile: torch.compile the
-        verification step (static shapes, compiled on first use or by `warmup`).
+        verification step: "on" (True; static shapes, compiled on first use or by `warmup`), "auto"
+        (saved graphs where this machine has them, built in the background otherwise; float32
+        only) or "off" (False).
         """
-        if compile and attn_implementation == "exact":
+        compile = CompileMode.parse(compile)
+        if compile is CompileMode.ON and attn_implementation == "exact":
             raise MedusaError("exact mode runs eager: pass exact or compile, not both")
+        if attn_implementation == "exact":
+            compile = CompileMode.OFF
         model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         if isinstance(heads, str) and heads == "shipped":
             heads = shipped_heads(base)

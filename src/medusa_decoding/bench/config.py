@@ -16,6 +16,9 @@ SUITES = ("spec-bench", "humaneval", "sharegpt")
 METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld", "llama.cpp")
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
 EXACT = "@exact"  # suffix of our engine's methods: in exact mode (attention.exact_attention), checked against plain@exact
+# suffix of our engine's methods: on the compiled step (saved graphs, what `generate` loads by default;
+# built or loaded before a shape is timed), interleaved with the eager ones
+COMPILED = "@compiled"
 # suffix of default/hydra/eagle: the checkpoint's own budget, not the one fitted to this machine (costs.py)
 SHIPPED = "@shipped"
 FITTED_KINDS = ("default", "hydra", "eagle")
@@ -25,6 +28,14 @@ LLAMACPP = "llama.cpp"  # plain greedy decoding of the same GGUF by llama.cpp: s
 FOREIGN = ("hf", "hf-pld", LLAMACPP)  # methods that are not our engine
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
+
+
+def split_mode(kind: str) -> tuple[str, str]:
+    """A method kind -> (the kind, its run-mode suffix @exact/@compiled or '')."""
+    for mode in (EXACT, COMPILED):
+        if kind.endswith(mode):
+            return kind.removesuffix(mode), mode
+    return kind, ""
 
 
 @dataclass
@@ -67,18 +78,20 @@ class BenchConfig:
         GenerationConfig(max_new_tokens=self.max_new_tokens)
         SamplingConfig(temperature=self.temperature)
         for kind in self.method_kinds:
-            if kind.endswith(EXACT) and (kind.removesuffix(EXACT) in FOREIGN or self.compile):
+            core, mode = split_mode(kind)
+            if mode == EXACT and (core in FOREIGN or self.compile):
                 raise MedusaError(f"{kind}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
+            if mode == COMPILED and (core in FOREIGN or self.compile):
+                raise MedusaError(f"{kind}: {COMPILED} is for our engine's methods run eager beside it (no --compile)")
             if kind == LLAMACPP and self.temperature > 0:
                 raise MedusaError(f"method {LLAMACPP} is plain greedy decoding: run it at temperature 0")
-            core = kind.removesuffix(EXACT)
             if core.endswith(SHIPPED) and core.removesuffix(SHIPPED).partition("+")[0] not in FITTED_KINDS:
                 raise MedusaError(f"{kind}: {SHIPPED} is for {', '.join(FITTED_KINDS)} (a drafter with a budget)")
             base, plus, suffix = core.removesuffix(SHIPPED).partition("+")
             if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base in FOREIGN or base == "default")):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
                                   f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
-                                  f"any but hf*/{LLAMACPP} with {EXACT}")
+                                  f"any but hf*/{LLAMACPP} with {EXACT} or {COMPILED}")
         self.calibration = CalibrationMode.parse(self.calibration).value
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
@@ -95,7 +108,7 @@ class BenchConfig:
     @property
     def head_kinds(self) -> set[str]:
         """The method kinds without their +ngram suffix."""
-        return {k.removesuffix(EXACT).removesuffix(SHIPPED).partition("+")[0] for k in self.method_kinds}
+        return {split_mode(k)[0].removesuffix(SHIPPED).partition("+")[0] for k in self.method_kinds}
 
     @property
     def method_kinds(self) -> list[str]:

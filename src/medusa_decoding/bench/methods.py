@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..attention import register_attention
 from ..config import CalibrationMode, DrafterKind, MedusaError, NgramConfig
-from .config import EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, BenchConfig
+from .config import COMPILED, EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, BenchConfig, split_mode
 from .prompts import Prompt
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -72,7 +72,20 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
         _sync(model.device)
         wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
+    generate.model = model
     return generate
+
+
+def compiled_method(backend, generate: Generate) -> Generate:
+    """The same engine method on `backend` (a CompiledBackend) for the call."""
+    def compiled(input_ids, max_new_tokens, seed):
+        model = generate.model
+        eager, model.backend = model.backend, backend
+        try:
+            return generate(input_ids, max_new_tokens, seed)
+        finally:
+            model.backend = eager
+    return compiled
 
 
 @contextlib.contextmanager
@@ -227,7 +240,7 @@ def build_methods(cfg: BenchConfig):
     default = default_model(True) if "default" in kinds or cfg.batch_sizes else None
     methods: dict[str, Generate] = {}
     made: dict[str, list[str]] = {}  # kind -> the methods it made (medusa: one per --tree)
-    for kind in dict.fromkeys(k.removesuffix(EXACT) for k in kinds):
+    for kind in dict.fromkeys(split_mode(k)[0] for k in kinds):
         before = set(methods)
         fitted = not kind.endswith(SHIPPED)
         name, plus, _ = kind.removesuffix(SHIPPED).partition("+")
@@ -253,9 +266,15 @@ def build_methods(cfg: BenchConfig):
         else:
             methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
         made[kind] = [m for m in methods if m not in before]
-    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact: each of its methods in exact mode
+    compiled = None
+    if any(split_mode(k)[1] == COMPILED for k in kinds):  # saved graphs: what generate loads by default
+        from ..verifiers.compiled import CompiledBackend
+
+        compiled = CompiledBackend(base.base, freeze=False)
+    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact/@compiled: each of its methods in that mode
     for kind in kinds:
-        plain_kind = kind.removesuffix(EXACT)
-        for m in made[plain_kind]:
-            asked[m + kind[len(plain_kind):]] = exact_method(base, methods[m]) if kind != plain_kind else methods[m]
+        core, mode = split_mode(kind)
+        for m in made[core]:
+            asked[m + mode] = (exact_method(base, methods[m]) if mode == EXACT else
+                               compiled_method(compiled, methods[m]) if mode == COMPILED else methods[m])
     return base, asked, default

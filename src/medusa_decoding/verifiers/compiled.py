@@ -8,7 +8,12 @@ is allocated once for the whole context, its size being part of every graph, and
 verifier to the next. A symbolic size made the frozen graph ~20x slower here, hence static
 shapes. The prefill stays eager. `warmup` compiles ahead of time.
 
-Two ways to build a graph, chosen by `freeze` (default: where it pays):
+Two modes (config.CompileMode): `on` compiles (or loads) a shape the first time a step needs it,
+the run waiting; `auto` loads the shapes this machine has saved and runs the others eager, while a
+background process (`builder_main(FOLDER)`, nice 19, the same threads) builds them from the list the run leaves in FOLDER/wanted/ and the run picks each graph
+up when its file appears: no run waits for a compiler, and the next one starts compiled.
+
+Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` never freezes):
 - cached (the default for fp32, and on GPUs): `torch.compile(...).aot_compile`, weights read as
   inputs; each graph is saved under $MEDUSA_CACHE/compiled/<machine and model key>/ and the next
   process loads it in ~2 s instead of compiling it again (~70 s for SmolLM2 on a 2-core EPYC).
@@ -23,16 +28,22 @@ with that cache gone a saved graph loads in ~17 s (gcc again) rather than ~2 s.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ..attention import EXACT_ATTENTION_NAME, full_attention
 from ..cache import SlotCache
-from ..config import MedusaError
+from ..config import CompileMode, MedusaError
 from ..models import cache_dir, processor_info
 from .transformers import EagerBackend, forward
 
@@ -42,6 +53,9 @@ MIN_WIDTH = 256
 COMPILED_SLOTS = 8192  # slots of the compiled path's cache (SmolLM2: 189 MB in bf16), more only if needed
 RECOMPILE_LIMIT = 64  # frozen graphs per process; torch's default of 8 is too few
 GRAPH_VERSION = 1  # of what a saved graph computes (bump when forward or the cache layout changes)
+RECHECK_S = 2.0  # `auto`: how often a step whose graph is missing looks for its file again
+BUILDER_IDLE_S = 30.0  # a background builder waits this long for more wanted shapes, then exits
+WANTED, SPEC, LOCK, BUILD_LOG = "wanted", "builder.json", "builder.pid", "builder.log"
 
 
 def round_width(slots: int) -> int:
@@ -63,6 +77,69 @@ def graph_key(model) -> dict:
             "transformers": transformers.__version__, "version": GRAPH_VERSION}
 
 
+def compiles_by_default(model) -> bool:
+    """Does compile mode auto compile this model's step? Where it runs on the slot cache, unless in
+    exact mode (its row-invariant kernels are eager ones)."""
+    return full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
+
+
+def graph_folder(model, graphs: Path | None = None) -> Path:
+    """Where the saved graphs of this model on this machine live (graphs: default $MEDUSA_CACHE/compiled)."""
+    key = hashlib.sha256(json.dumps(graph_key(model), sort_keys=True).encode()).hexdigest()[:16]
+    return (graphs or cache_dir() / "compiled") / key
+
+
+def graph_name(shape: tuple) -> str:
+    """The file name of a step shape (rows, nodes, width, slots, cache rows, feature layers)."""
+    return "-".join(str(d) for d in shape[:5]) + f"-{'_'.join(map(str, shape[5] or ()))}"
+
+
+def dummy_args(model, shape: tuple) -> tuple:
+    """Arguments of a step of `shape`, zeros: a graph depends on shapes, not values."""
+    b, n, width, capacity, rows, layers = shape
+    device = next(model.parameters()).device
+    cache = SlotCache(model, capacity, rows)
+    cache.reserve(slice(0, b), width - n, n, width)
+    tokens = torch.zeros(b, n, dtype=torch.long, device=device)
+    positions = torch.zeros(b, n, dtype=torch.long, device=device)
+    mask = torch.zeros(b, 1, n, width, dtype=model.dtype, device=device)
+    return model, tokens, positions, mask, cache, layers
+
+
+def build_graph(args: tuple, path: Path):
+    """Compile the step for `args`' shapes ahead of time and save it at `path` -> the graph."""
+    # keep only tensor-metadata guards: the rest (module identities) cannot be saved
+    compiler = torch.compile(_forward, fullgraph=True, dynamic=False,
+                             options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+    graph = compiler.aot_compile((args, {}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    graph.save_compiled_function(str(path))  # written to a temporary file, then renamed
+    return graph
+
+
+def builder_pid(folder: Path) -> int | None:
+    """The pid of the background builder at work on this folder (its lock names a live process), or None."""
+    try:
+        pid = int((folder / LOCK).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def builder_alive(folder: Path) -> bool:
+    return builder_pid(folder) is not None
+
+
+def signal_builder(pid: int, sig: int) -> bool:
+    """Stop or continue a builder and its compile workers (its own process group) -> sent."""
+    try:
+        os.killpg(os.getpgid(pid), sig)
+    except OSError:
+        return False
+    return True
+
+
 def _forward(model, tokens, positions, mask, cache, layers):
     return forward(model, tokens, positions, mask, cache, layers=layers)
 
@@ -70,19 +147,35 @@ def _forward(model, tokens, positions, mask, cache, layers):
 class CompiledBackend(EagerBackend):
     compiled = True
 
-    def __init__(self, model, freeze: bool | None = None, graphs: Path | None = None):
-        """freeze: frozen graphs, compiled by every process (default: bf16/fp16 on CPU); else
-        cached ones. graphs: the folder of saved graphs (default $MEDUSA_CACHE/compiled)."""
+    def __init__(self, model, freeze: bool | None = None, graphs: Path | None = None,
+                 mode: CompileMode | str = CompileMode.ON):
+        """freeze: frozen graphs, compiled by every process (default: bf16/fp16 on CPU, in mode
+        `on`); else saved ones. graphs: the folder of saved graphs (default $MEDUSA_CACHE/compiled).
+        mode: `on` (compile a missing shape, waiting) or `auto` (run it eager, a background
+        process builds it)."""
         super().__init__(model)
         if not self.slots:
             raise MedusaError("--compile needs a model with full attention in every layer (no sliding window)")
+        self.mode = CompileMode.parse(mode)
+        if self.mode is CompileMode.OFF:
+            raise MedusaError("CompiledBackend runs compiled steps: use EagerBackend for compile mode off")
+        if self.mode is CompileMode.AUTO:
+            if freeze:
+                raise MedusaError("frozen graphs cannot be saved: compile mode auto builds saved ones")
+            freeze = False
         self.freeze = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)) if freeze is None else freeze
         self._frozen = torch.compile(_forward, dynamic=False)
         self.shapes: dict[tuple, object] = {}  # shape -> its graph (compiled or loaded so far)
         self.loaded = 0  # graphs loaded from disk rather than compiled
-        key = hashlib.sha256(json.dumps(graph_key(model), sort_keys=True).encode()).hexdigest()[:16]
-        self.folder = (graphs or cache_dir() / "compiled") / key
+        self.folder = graph_folder(model, graphs)
         self._spare: SlotCache | None = None  # a released cache, for the next verifier
+        # mode auto: shapes without a graph yet -> when their file was last looked for
+        self.missing: dict[tuple, float] = {}
+        self.eager_steps = 0  # steps run eager for want of a graph
+        self.builder_idle_s = BUILDER_IDLE_S
+        self.builder: subprocess.Popen | None = None  # the background builder this backend started
+        self._held: int | None = None  # the builder this process keeps paused while it decodes
+        self._active = 0  # caches handed out and not released: decoding is going on
 
     def width(self, slots: int) -> int:
         return round_width(slots)
@@ -92,12 +185,34 @@ class CompiledBackend(EagerBackend):
         # rather than grow, which would recompile every shape
         capacity = round_width(max(capacity, min(self.context_length, COMPILED_SLOTS)))
         spare, self._spare = self._spare, None
+        self._active += 1
         if spare is not None and spare.capacity >= capacity and spare.num_rows >= rows:
             return spare
         return SlotCache(self.model, capacity, rows)
 
     def release(self, cache) -> None:
         self._spare = cache
+        self._active = max(self._active - 1, 0)
+        if not self._active:  # nothing decoding here: the builder may have the CPU
+            self.resume_builder()
+
+    def hold_builder(self) -> None:
+        """Mode auto: pause the background builder while this process decodes. Even at nice 19 a
+        compiler on one of 2 cores made a 2-thread step ~20x slower here (the step's threads wait
+        for each other), so it runs only while this process is idle, and after it exits."""
+        if self._held is not None:
+            return
+        pid = builder_pid(self.folder)
+        if pid is None and self.builder is not None and self.builder.poll() is None:
+            pid = self.builder.pid  # ours, before it has taken the lock
+        if pid is not None and signal_builder(pid, signal.SIGSTOP):
+            self._held = pid
+            atexit.register(self.resume_builder)
+
+    def resume_builder(self) -> None:
+        if self._held is not None:
+            signal_builder(self._held, signal.SIGCONT)
+            self._held = None
 
     def step(self, tokens, positions, mask, cache, layers: tuple[int, ...] | None = None):
         args = (self.model, tokens, positions, mask, cache, layers)
@@ -105,9 +220,71 @@ class CompiledBackend(EagerBackend):
         if self.freeze:
             return self._frozen_step(shape, args)
         graph = self.shapes.get(shape)
+        if self.mode is CompileMode.AUTO:
+            self.hold_builder()
         if graph is None:
-            graph = self.shapes[shape] = self._graph(shape, args)
+            graph = self._graph(shape, args) if self.mode is CompileMode.ON else self._saved(shape)
+            if graph is None:  # auto: eager until the background builder has saved it
+                self.eager_steps += 1
+                return forward(*args[:5], layers=layers)
+            self.shapes[shape] = graph
         return graph(*args)
+
+    def _saved(self, shape):
+        """Mode auto: the shape's saved graph, loaded, or None (asked of the background builder)."""
+        now = time.perf_counter()
+        seen = self.missing.get(shape)
+        if seen is not None and now - seen < RECHECK_S:
+            return None
+        self.missing[shape] = now
+        path = self.folder / (graph_name(shape) + ".pt2")
+        graph = self._load(path) if path.exists() else None
+        self.compile_s += time.perf_counter() - now
+        if graph is not None:
+            del self.missing[shape]
+            log.info("loaded the verify step for %d rows x %d nodes, width %d (built in the background)",
+                     *shape[:3])
+        elif seen is None:
+            self._want(shape)
+        return graph
+
+    def _want(self, shape) -> None:
+        """Ask the background builder for the graph of `shape` (starting one if none is at work)."""
+        wanted = self.folder / WANTED
+        wanted.mkdir(parents=True, exist_ok=True)
+        b, n, width, capacity, rows, layers = shape
+        record = {"shape": [b, n, width, capacity, rows, list(layers) if layers else None]}
+        (wanted / (graph_name(shape) + ".json")).write_text(json.dumps(record) + "\n")
+        source = self.model.config.name_or_path
+        if not source or not Path(source).is_dir():
+            if len(self.missing) == 1:
+                log.info("no background builder: the model was not loaded from a folder it could load again")
+            return
+        if builder_alive(self.folder) or (self.builder is not None and self.builder.poll() is None):
+            return
+        spec = {"model": source, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "attention": self.model.config._attn_implementation, "threads": torch.get_num_threads(),
+                "idle_s": self.builder_idle_s}
+        (self.folder / SPEC).write_text(json.dumps(spec, indent=1) + "\n")
+        env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"])}
+        with (self.folder / BUILD_LOG).open("a") as out:
+            main = f"import sys; from {__name__} import builder_main; builder_main(sys.argv[1])"
+            self.builder = subprocess.Popen([sys.executable, "-c", main, str(self.folder)], stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.info("building the compiled step's graphs in the background while this process is idle, and after "
+                 "it exits (pid %d, log %s)", self.builder.pid, self.folder / BUILD_LOG)
+
+    def _load(self, path: Path):
+        """A saved graph, or None where it cannot be loaded (another torch build, a truncated file)."""
+        try:
+            with path.open("rb") as f:
+                graph = torch.compiler.load_compiled_function(f)
+        except Exception as e:
+            log.warning("cannot load the compiled step %s (%s: %s)", path, type(e).__name__, e)
+            return None
+        graph.disable_guard_check()
+        self.loaded += 1
+        return graph
 
     def _frozen_step(self, shape, args):
         new_shape = shape not in self.shapes
@@ -130,25 +307,14 @@ class CompiledBackend(EagerBackend):
         """The graph of `shape`: loaded from the folder, else compiled and saved there. Its guards
         are not checked per call: the shape picks the graph, and the model, weights, cache layout
         and attention are what the folder's key says (as the frozen path's, see above)."""
-        path = self.folder / ("-".join(str(d) for d in shape[:5]) + f"-{'_'.join(map(str, shape[5] or ()))}.pt2")
+        path = self.folder / (graph_name(shape) + ".pt2")
         t0 = time.perf_counter()
-        graph, how = None, "loaded"
-        if path.exists():
-            try:
-                with path.open("rb") as f:
-                    graph = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-            except Exception as e:  # a graph from another torch build, a truncated file: compile anew
-                log.warning("cannot load the compiled step %s (%s: %s); compiling it again", path, type(e).__name__, e)
+        how = "loaded"
+        graph = self._load(path) if path.exists() else None  # unloadable: compiled anew
         if graph is None:
             how = "compiled"
-            # keep only tensor-metadata guards: the rest (module identities) cannot be saved
-            compiler = torch.compile(_forward, fullgraph=True, dynamic=False,
-                                     options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
-            graph = compiler.aot_compile((args, {}))
-            self.folder.mkdir(parents=True, exist_ok=True)
-            graph.save_compiled_function(str(path))  # written to a temporary file, then renamed
-        graph.disable_guard_check()
+            graph = build_graph(args, path)
+            graph.disable_guard_check()
         self.compile_s += time.perf_counter() - t0
         log.info("%s the verify step for %d rows x %d nodes, width %d (%.1f s)", how, shape[0], shape[1], shape[2],
                  time.perf_counter() - t0)
@@ -177,5 +343,68 @@ class CompiledBackend(EagerBackend):
         return time.perf_counter() - t0
 
     def stats(self) -> dict:
-        return {"backend": "compiled", "cache": "slots", "graphs": len(self.shapes), "loaded": self.loaded,
-                "frozen": self.freeze, "compile_s": self.compile_s}
+        return {"backend": "compiled", "mode": self.mode.value, "cache": "slots", "graphs": len(self.shapes),
+                "loaded": self.loaded, "frozen": self.freeze, "compile_s": self.compile_s,
+                "eager_steps": self.eager_steps, "missing": len(self.missing)}
+
+
+def build_wanted(folder: Path) -> int:
+    """The background builder: load the base as FOLDER/builder.json says, then build every shape
+    listed in FOLDER/wanted/ (oldest first) until none has come for the spec's idle_s -> graphs built.
+    One builder a folder (FOLDER/builder.pid)."""
+    from ..attention import register_attention
+    from ..models import load_base
+
+    spec = json.loads((folder / SPEC).read_text())
+    lock = folder / LOCK
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        if builder_alive(folder):
+            return 0
+        lock.unlink(missing_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    built = 0
+    try:
+        torch.set_num_threads(spec["threads"])
+        model, _, _ = load_base(spec["model"], dtype=spec["dtype"], device=spec["device"])
+        register_attention(exact=False), register_attention(exact=True)  # the package's kernels, by name
+        model.set_attn_implementation(spec["attention"])
+        if graph_folder(model, folder.parent) != folder:
+            log.error("%s loads as another model or machine than %s's key: nothing built", spec["model"], folder)
+            return 0
+        idle_since = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                wanted = sorted((folder / WANTED).glob("*.json"), key=lambda p: p.stat().st_mtime)
+                todo = []
+                for w in wanted:
+                    if (folder / (w.stem + ".pt2")).exists():
+                        w.unlink(missing_ok=True)
+                    else:
+                        todo.append(w)
+                if not todo:
+                    if time.perf_counter() - idle_since >= spec.get("idle_s", BUILDER_IDLE_S):
+                        break
+                    time.sleep(0.5)
+                    continue
+                shape = json.loads(todo[0].read_text())["shape"]
+                shape = (*shape[:5], tuple(shape[5]) if shape[5] else None)
+                t0 = time.perf_counter()
+                build_graph(dummy_args(model, shape), folder / (todo[0].stem + ".pt2"))
+                todo[0].unlink(missing_ok=True)
+                built += 1
+                log.info("built %s (%.0f s)", todo[0].stem, time.perf_counter() - t0)
+                idle_since = time.perf_counter()
+    finally:
+        lock.unlink(missing_ok=True)
+    return built
+
+
+def builder_main(folder: str) -> None:
+    """The background builder's process: nice 19, logging to FOLDER/builder.log (its stdout)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    os.nice(19)
+    log.info("built %d graphs", build_wanted(Path(folder)))
