@@ -52,6 +52,8 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     assert overall["medusa"]["mean_accepted_length"] >= 1.0 and len(overall["medusa"]["acceptance_per_depth"]) <= 3
     assert overall["medusa"]["speedup_vs_plain"]["median"] > 0 and overall["hf"]["speedup_vs_plain"]["median"] > 0
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
+    assert results["compiled_engine"]["graphs"] >= 1 and not results["compiled_engine"]["frozen"]
+    assert results["engine"]["backend"] == "eager"  # the other methods ran eager beside it
     for method in ("medusa", "dynamic", "medusa+ngram", "plain@compiled"):
         assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None, "reference": "plain"}
     # exact mode: each @exact method against plain@exact

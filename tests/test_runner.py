@@ -269,3 +269,35 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
         assert not exact.backend.compiled and not make_backend(exact.base, "auto").compiled
     finally:
         os.environ["MEDUSA_CACHE"] = before
+
+
+def test_compile_auto_pauses_a_builder_while_it_decodes_and_resumes_it_when_idle(tmp_path):
+    """A builder at work on the folder (here a stand-in process holding its lock) is stopped at the
+    first step and continued when the last cache is released: on 2 cores a compiler beside a
+    decode step made it ~20x slower."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from medusa_decoding.verifiers.compiled import LOCK, CompiledBackend
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    model = tiny_llama(max_positions=512)
+    use_fast_attention(model)
+    backend = CompiledBackend(model, graphs=tmp_path, mode="auto")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        backend.folder.mkdir(parents=True)
+        (backend.folder / LOCK).write_text(str(stand_in.pid))
+        from medusa_decoding.engine import Request
+
+        decoder = MedusaModel(model, byte_tokenizer(), backend=backend).decoder(1, use_medusa=False)
+        decoder.add(Request(torch.arange(5, 45), GenerationConfig(max_new_tokens=6, ignore_eos=True), SamplingConfig()))
+        decoder.step()
+        assert state(stand_in.pid) == "T"
+        decoder.close()  # the last row released: nothing decodes here
+        assert state(stand_in.pid) != "T" and backend._held is None
+    finally:
+        stand_in.kill()

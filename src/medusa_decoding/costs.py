@@ -357,7 +357,7 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
         if compiled is not None:
             model.backend = compiled
     if compiled is not None:
-        fit.line = fit.line.replace("eager): ", "eager, as the steps run until their compiled graphs are built): ", 1)
+        fit.line += " (compile mode auto: fitted to the eager step, which runs until the compiled graphs are built)"
     return fit
 
 

@@ -85,6 +85,7 @@ def compiled_method(backend, generate: Generate) -> Generate:
             return generate(input_ids, max_new_tokens, seed)
         finally:
             model.backend = eager
+    compiled.backend = backend
     return compiled
 
 

@@ -175,6 +175,8 @@ class CompiledBackend(EagerBackend):
         self.builder_idle_s = BUILDER_IDLE_S
         self.builder: subprocess.Popen | None = None  # the background builder this backend started
         self._held: int | None = None  # the builder this process keeps paused while it decodes
+        self._looked = -RECHECK_S  # when a step last looked for a builder to pause
+        atexit.register(self.resume_builder)  # a builder paused here runs on after this process
         self._active = 0  # caches handed out and not released: decoding is going on
 
     def width(self, slots: int) -> int:
@@ -200,14 +202,15 @@ class CompiledBackend(EagerBackend):
         """Mode auto: pause the background builder while this process decodes. Even at nice 19 a
         compiler on one of 2 cores made a 2-thread step ~20x slower here (the step's threads wait
         for each other), so it runs only while this process is idle, and after it exits."""
-        if self._held is not None:
+        now = time.perf_counter()
+        if self._held is not None or now - self._looked < RECHECK_S:  # a read of the lock file, not every step
             return
+        self._looked = now
         pid = builder_pid(self.folder)
         if pid is None and self.builder is not None and self.builder.poll() is None:
             pid = self.builder.pid  # ours, before it has taken the lock
         if pid is not None and signal_builder(pid, signal.SIGSTOP):
             self._held = pid
-            atexit.register(self.resume_builder)
 
     def resume_builder(self) -> None:
         if self._held is not None:
@@ -271,6 +274,7 @@ class CompiledBackend(EagerBackend):
             main = f"import sys; from {__name__} import builder_main; builder_main(sys.argv[1])"
             self.builder = subprocess.Popen([sys.executable, "-c", main, str(self.folder)], stdin=subprocess.DEVNULL,
                                             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._looked = -RECHECK_S  # paused from the next step on
         log.info("building the compiled step's graphs in the background while this process is idle, and after "
                  "it exits (pid %d, log %s)", self.builder.pid, self.folder / BUILD_LOG)
 
