@@ -1,74 +1,120 @@
-"""Probe (issue 15): the 1-node verify step as a saved *frozen* graph, through torch.export and
-AOTInductor. The slot cache's tensors are inputs, and its index_copy_ writes are input mutations.
+"""Probe (issue 15): one verification step as a saved *frozen* graph, through torch.export and
+AOTInductor, against the eager step. Not part of the engine yet.
 
-    python scripts/aoti_probe.py THREADS NODES FREEZE DTYPE     # e.g. 2 1 1 bfloat16
+    .venv/bin/python scripts/aoti_probe.py --nodes 1 --dtype bfloat16 --threads 2
+    .venv/bin/python scripts/aoti_probe.py --dtype float32 --no-freeze
 
-It prints the export and compile times, the package size and load time, the logit difference
-from eager, and eager vs AOTI step times (median of 20 interleaved). Found on the AVX-512 EPYC
-(bf16): aoti_compile_and_package must run under torch.no_grad(). With grad enabled, inductor
-skips its oneDNN weight prepacking (the package then calls 211 plain mm). Under no_grad it
-emits the prepacked linears (333 mkldnn calls). The package holds 331 MB (the prepacked weights)
-and loads in 0.3 s; the step takes 15.5 ms against 24.3 ms eager. Not yet in the engine.
+The slot cache's tensors are inputs of the exported step; its index_copy_ writes stay input
+mutations, which the package performs in place. Prints the export and build times, the package's
+size and load time, its logits against eager (max difference, argmax) and the median step time
+of both (interleaved rounds). Run it on a quiet machine.
+
+Found on the AMD EPYC with AVX-512 bf16 (bf16, 1 node, prefix 200, 2 threads): the package must
+be built under torch.no_grad(); with grad enabled inductor skips its oneDNN weight prepacking
+(the package then calls 211 plain mm, and its step is 1.1x eager). Under no_grad: 333 prepacked
+linears, built in 50 s, 331 MB (the prepacked weights inside), loaded in 0.3 s, 15.5 ms a step
+against 24.3 ms eager (a rerun: 15.4 vs 23.5). fp32, frozen: logits within 2.3e-3 of eager,
+argmax equal, 656 MB, 22.8 ms a step against 45.8 ms eager.
 """
-import sys, time, torch
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
 from pathlib import Path
+
+import torch
+
 from medusa_decoding.models import load_base
-from medusa_decoding.cache import SlotCache
+from medusa_decoding.verifiers.compiled import dummy_args
 from medusa_decoding.verifiers.transformers import forward
 
-FREEZE = bool(int(sys.argv[3])) if len(sys.argv) > 3 else True
-threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-torch.set_num_threads(threads)
-model, tok, _ = load_base("smollm2-135m-instruct", dtype=(sys.argv[4] if len(sys.argv) > 4 else "bfloat16"), device="cpu")
-model.eval()
-OUT = "runs/aoti"
-Path(OUT).mkdir(parents=True, exist_ok=True)
-B, n, width, capacity = 1, int(sys.argv[2]) if len(sys.argv) > 2 else 1, 256, 512
 
 class Step(torch.nn.Module):
+    """The step with the cache's key/value tensors as explicit inputs (what torch.export traces)."""
+
     def __init__(self, model, cache):
         super().__init__()
         self.model, self.cache = model, cache
-    def forward(self, tokens, positions, mask, write_slots, kv):
-        cache = self.cache
-        for layer, (k, v) in zip(cache.layers, zip(kv[0::2], kv[1::2])):
-            layer.keys, layer.values = k, v
-        cache.write_slots = write_slots
-        return forward(self.model, tokens, positions, mask, cache)
 
-cache = SlotCache(model, capacity, B)
-cache.reserve(slice(0, B), 200, n, width)
-kv = [t for l in cache.layers for t in (l.keys, l.values)]
-torch.manual_seed(0)
-for t in kv: t.normal_()
-tokens = torch.randint(0, 49152, (B, n)); positions = torch.arange(200, 200 + n)[None].expand(B, n).contiguous()
-mask = torch.zeros(B, 1, n, width, dtype=model.dtype); mask[..., 200 + n:] = float("-inf")
-ws = torch.arange(200, 200 + n)
-step = Step(model, cache)
-with torch.inference_mode():
-    ref_kv = [t.clone() for t in kv]
-    ref = step(tokens, positions, mask, ws, kv)
-    written = [t.clone() for t in kv]
-t0 = time.perf_counter()
-with torch.no_grad():
-    ep = torch.export.export(step, (tokens, positions, mask, ws, kv))
-print("export", round(time.perf_counter() - t0, 1), "s; mutations:", len(ep.graph_signature.user_inputs_to_mutate), flush=True)
-t0 = time.perf_counter()
-with torch.no_grad():
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=f"{OUT}/step-{n}-{int(FREEZE)}-{model.dtype}-nograd.pt2", inductor_configs={"freezing": FREEZE})
-print("aoti compile", round(time.perf_counter() - t0, 1), "s", Path(pkg).stat().st_size / 1e6, "MB", flush=True)
-t0 = time.perf_counter()
-runner = torch._inductor.aoti_load_package(pkg)
-print("load", round(time.perf_counter() - t0, 1), "s", flush=True)
-for t, r in zip(kv, ref_kv): t.copy_(r)
-with torch.inference_mode():
-    out = runner(tokens, positions, mask, ws, kv)
-print("logits max diff", (out[0].float() - ref[0].float()).abs().max().item(), "argmax equal", bool((out[0].argmax(-1) == ref[0].argmax(-1)).all()))
-print("cache written", all(torch.equal(a, b) for a, b in zip(kv, written)))
-times = {"eager": [], "aoti": []}
-with torch.inference_mode():
-    for _ in range(20):
-        for name, fn in (("eager", lambda: step(tokens, positions, mask, ws, kv)), ("aoti", lambda: runner(tokens, positions, mask, ws, kv))):
-            t0 = time.perf_counter(); fn(); times[name].append(time.perf_counter() - t0)
-import statistics
-print({k: round(statistics.median(v) * 1000, 1) for k, v in times.items()}, "ms median")
+    def forward(self, tokens, positions, mask, write_slots, kv):
+        """tokens/positions [B, n], mask [B, 1, n, W], write_slots [n], kv: 2L tensors [R, G, S, d]
+        -> logits [B, n, V], hidden [B, n, D]; writes the n new keys/values into kv."""
+        for layer, k, v in zip(self.cache.layers, kv[0::2], kv[1::2]):
+            layer.keys, layer.values = k, v
+        self.cache.write_slots = write_slots
+        return forward(self.model, tokens, positions, mask, self.cache)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--prefix", type=int, default=200, help="tokens already in the cache")
+    ap.add_argument("--width", type=int, default=256, help="slots the step reads")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--freeze", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", type=Path, default=Path("runs/aoti"))
+    args = ap.parse_args()
+    if args.prefix + args.nodes > args.width:
+        ap.error("--prefix + --nodes must fit in --width")
+    torch.set_num_threads(args.threads)
+    model, _, _ = load_base(args.model, dtype=args.dtype, device="cpu")
+    model.eval()
+    n, start = args.nodes, args.prefix
+    _, _, _, _, cache, _ = dummy_args(model, (1, n, args.width, 2 * args.width, 1, None))
+    cache.reserve(slice(0, 1), start, n, args.width)
+    kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    torch.manual_seed(0)
+    for t in kv:
+        t.normal_()  # a filled prefix: any finite values do for timing and for comparing paths
+    tokens = torch.randint(0, model.config.vocab_size, (1, n))
+    positions = torch.arange(start, start + n)[None]
+    mask = torch.zeros(1, 1, n, args.width, dtype=model.dtype)
+    mask[..., start + n:] = torch.finfo(model.dtype).min  # a chain: each node sees the prefix and those before it
+    mask[0, 0, :, start:start + n] = torch.zeros(n, n).masked_fill(torch.ones(n, n).triu(1).bool(), torch.finfo(model.dtype).min)
+    inputs = (tokens, positions, mask, cache.write_slots, kv)
+    step = Step(model, cache)
+    before = [t.clone() for t in kv]
+    with torch.inference_mode():
+        ref = step(*inputs)
+
+    with torch.no_grad():  # grad enabled: no oneDNN weight prepacking in the package
+        t0 = time.perf_counter()
+        program = torch.export.export(step, inputs)
+        print(f"export {time.perf_counter() - t0:.1f} s", flush=True)
+        t0 = time.perf_counter()
+        path = args.out / f"step-{n}-{args.dtype}-{'frozen' if args.freeze else 'unfrozen'}.pt2"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                           inductor_configs={"freezing": args.freeze})
+        print(f"build {time.perf_counter() - t0:.1f} s, {Path(package).stat().st_size / 1e6:.0f} MB", flush=True)
+    t0 = time.perf_counter()
+    runner = torch._inductor.aoti_load_package(package)
+    print(f"load {time.perf_counter() - t0:.1f} s", flush=True)
+
+    for t, b in zip(kv, before):
+        t.copy_(b)
+    with torch.inference_mode():
+        out = runner(*inputs)
+    written = all(not torch.equal(t[0, :, start:start + n], b[0, :, start:start + n]) for t, b in zip(kv, before))
+    diff = (out[0].float() - ref[0].float()).abs().max().item()
+    same = bool((out[0].argmax(-1) == ref[0].argmax(-1)).all())
+    print(f"logits: max difference {diff:.3g}, argmax equal {same}; new slots written in place: {written}")
+
+    times: dict[str, list[float]] = {"eager": [], "aoti": []}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for name, fn in (("eager", step), ("aoti", runner)):
+                t0 = time.perf_counter()
+                fn(*inputs)
+                times[name].append(time.perf_counter() - t0)
+    print(", ".join(f"{k} {statistics.median(v) * 1000:.1f} ms" for k, v in times.items()),
+          f"(median of {args.rounds} interleaved, {args.dtype}, {n} node(s), prefix {start}, {args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()
