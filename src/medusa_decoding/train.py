@@ -18,6 +18,7 @@ Accelerate owns the process group and the gradient all-reduce.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -60,6 +61,12 @@ class Positions:
 
     def __len__(self) -> int:
         return self.index.numel()
+
+
+def end_process_group() -> None:
+    """Destroy the process group `accelerate launch` made, if one is alive (an atexit handler)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def feature_shards(model, tokenizer, cfg: TrainConfig, split: str, folder: Path, limit: int | None,
@@ -441,6 +448,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
         else:
             mp = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     accelerator = Accelerator(mixed_precision=mp, cpu=device.type == "cpu", gradient_accumulation_steps=cfg.grad_accum)
+    # a gloo process group left to the interpreter's finalization aborts the process now and then
+    # ("terminate called without an active exception"): destroy it at exit, while Python is alive
+    atexit.unregister(end_process_group)
+    atexit.register(end_process_group)
     set_seed(cfg.seed)
     is_main = accelerator.is_main_process
     if is_main:
