@@ -1,6 +1,7 @@
 """Where the time of one verification step goes: the reference path (transformers' SDPA and
-DynamicCache), the eager fast path (short-query attention, slot cache) and the compiled step,
-saved (weights as graph inputs, what compile mode auto loads) or frozen (weights folded in).
+DynamicCache), the eager fast path (short-query attention, slot cache; its linears prepacked where
+verifiers/packed.py packs them, `stock` without) and the compiled step, saved (weights as graph
+inputs, what compile mode auto loads) or frozen (weights folded in).
 
     .venv/bin/python scripts/profile_step.py --prefix 200 --nodes 1,16 --threads 2
     .venv/bin/python scripts/profile_step.py --paths eager,saved,frozen --nodes 1,8 --top 0
@@ -39,7 +40,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--paths", default="reference,eager,compiled",
-                    help="of reference, eager, compiled (the default freezing), saved, frozen")
+                    help="of reference, eager, stock, compiled (the default freezing), saved, frozen")
     ap.add_argument("--top", type=int, default=8, help="operators shown per profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -48,9 +49,10 @@ def main() -> None:
     paths = args.paths.split(",")
     prompt = torch.randint(100, 10_000, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     fast = use_fast_attention(model)
-    attention = {"reference": "sdpa", "eager": fast, "compiled": fast, "saved": fast, "frozen": fast}
+    attention = {"reference": "sdpa", "eager": fast, "stock": fast, "compiled": fast, "saved": fast, "frozen": fast}
     graphs = Path(tempfile.mkdtemp())  # saved graphs compiled here, not loaded from the user's cache
     backends = {"reference": lambda: EagerBackend(model, slots=False), "eager": lambda: EagerBackend(model),
+                "stock": lambda: EagerBackend(model, packed=False),
                 "compiled": lambda: CompiledBackend(model, graphs=graphs),
                 "saved": lambda: CompiledBackend(model, freeze=False, graphs=graphs),
                 "frozen": lambda: CompiledBackend(model, freeze=True, graphs=graphs)}

@@ -36,15 +36,15 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     folder, heads, data = setup
     out = tmp_path / "out"
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
-                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram,plain@exact,medusa@exact,plain@compiled",
+                               data / "prompts.jsonl", "--methods", "plain,medusa,hf,dynamic,medusa+ngram,plain@exact,medusa@exact,plain@compiled,medusa@stock",
                                "--max-new-tokens", "8",
                                "--dtype", "float32", "--device", "cpu", "--out", out)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert results["methods"] == ["plain", "medusa", "hf", "dynamic", "medusa+ngram", "plain@exact", "medusa@exact",
-                                  "plain@compiled"]
+                                  "plain@compiled", "medusa@stock"]
     assert results["categories"] == ["writing", "coding"]
-    assert len(results["records"]) == 2 * 8
+    assert len(results["records"]) == 2 * 9
     writing = next(r for r in results["records"] if r["prompt"] == "1" and r["method"] == "medusa")
     assert len(writing["token_ids"]) == 2  # both turns asked
     overall = results["summary"]["overall"]
@@ -54,7 +54,7 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
     # fp32 greedy: speculative decoding must reproduce plain decoding token for token
     assert results["compiled_engine"]["graphs"] >= 1 and not results["compiled_engine"]["frozen"]
     assert results["engine"]["backend"] == "eager"  # the other methods ran eager beside it
-    for method in ("medusa", "dynamic", "medusa+ngram", "plain@compiled"):
+    for method in ("medusa", "dynamic", "medusa+ngram", "plain@compiled", "medusa@stock"):
         assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None, "reference": "plain"}
     # exact mode: each @exact method against plain@exact
     assert results["identity"]["medusa@exact"] == {"compared": 2, "differ": 0, "first": None, "reference": "plain@exact"}
@@ -245,6 +245,7 @@ def test_humaneval_prompts_only():
     (["--methods", "plain@exact", "--compile"], "runs eager"),
     (["--methods", "plain,hf@compiled"], "@compiled is for our engine's methods"),
     (["--methods", "plain@compiled", "--compile"], "run eager beside it"),
+    (["--methods", "plain,hf-pld@stock"], "@stock is for our engine's methods"),
     (["--methods", "plain,llama.cpp@exact"], "@exact is for our engine's methods"),
     (["--methods", "plain,llama.cpp", "-t", "0.7"], "plain greedy decoding: run it at temperature 0"),
     (["--methods", "plain,llama.cpp"], "decodes a GGUF file: pass --model FILE.gguf"),

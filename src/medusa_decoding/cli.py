@@ -42,6 +42,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
     machine unless a tree or budget is given or --calibration shipped. compile: None is mode auto."""
     from .engine import MedusaModel, make_backend, shipped_heads
+    from .verifiers.compiled import compiles_by_default
 
     mode = CalibrationMode.parse(calibration)
     compile_mode = CompileMode.AUTO if compile is None else CompileMode.parse(compile)
@@ -68,7 +69,7 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
             typer.echo(line, err=True)
     elif fit_budget:
         typer.echo(m.fit_to_machine(refresh=refresh).line, err=True)
-    if compile_mode is CompileMode.AUTO:  # once exact mode is chosen: it keeps the eager kernels
+    if compile_mode is CompileMode.AUTO and compiles_by_default(m.base):  # once exact mode is chosen: it stays eager
         m.backend = make_backend(m.base, compile_mode)
     return m
 
@@ -395,7 +396,7 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch; default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode (default: plain,default,hf,hf-pld)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch; default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import DEFAULT_MODEL, DrafterKind, JsonConfig, MedusaError
 from .heads import check_fits
+from .verifiers.packed import packed_linear, packed_or_none
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -132,9 +134,18 @@ class Shortlist:
     def __init__(self, lm_head: nn.Module, vocab: torch.Tensor):
         self.vocab = vocab.to(lm_head.weight.device)  # [V'] token ids
         self.weight = lm_head.weight[self.vocab]  # [V', D]
+        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (pack), or None
+
+    def pack(self) -> bool:
+        """Project on the weight prepacked for oneDNN, where that is exact here (bf16/fp16 on CPU,
+        verifiers/packed.py) -> packed."""
+        self.packed = packed_or_none(self.weight)
+        return self.packed is not None
 
     def log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((features.to(self.weight.dtype) @ self.weight.T).float(), dim=-1)
+        x = features.to(self.weight.dtype)
+        logits = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 class _Drafter(nn.Module):

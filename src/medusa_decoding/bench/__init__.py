@@ -104,5 +104,6 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
             "fitted_vs_shipped": fitted_vs_shipped(records, names),
             "engine": compiled,
             # the @compiled methods' backend (its graphs), when any ran
-            "compiled_engine": next((g.backend.stats() for g in methods.values() if hasattr(g, "backend")), None),
+            "compiled_engine": next((g.backend.stats() for g in methods.values()
+                                     if hasattr(g, "backend") and g.backend.compiled), None),
             "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}

@@ -19,6 +19,9 @@ EXACT = "@exact"  # suffix of our engine's methods: in exact mode (attention.exa
 # suffix of our engine's methods: on the compiled step (saved graphs, what `generate` loads by default;
 # built or loaded before a shape is timed), interleaved with the eager ones
 COMPILED = "@compiled"
+# suffix of our engine's methods: eager on the model's stock linear layers (no prepacked weights,
+# verifiers/packed.py), interleaved with the default packed ones
+STOCK = "@stock"
 # suffix of default/hydra/eagle: the checkpoint's own budget, not the one fitted to this machine (costs.py)
 SHIPPED = "@shipped"
 FITTED_KINDS = ("default", "hydra", "eagle")
@@ -31,8 +34,8 @@ WARMUP_TOKENS = 16
 
 
 def split_mode(kind: str) -> tuple[str, str]:
-    """A method kind -> (the kind, its run-mode suffix @exact/@compiled or '')."""
-    for mode in (EXACT, COMPILED):
+    """A method kind -> (the kind, its run-mode suffix @exact/@compiled/@stock or '')."""
+    for mode in (EXACT, COMPILED, STOCK):
         if kind.endswith(mode):
             return kind.removesuffix(mode), mode
     return kind, ""
@@ -81,8 +84,8 @@ class BenchConfig:
             core, mode = split_mode(kind)
             if mode == EXACT and (core in FOREIGN or self.compile):
                 raise MedusaError(f"{kind}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
-            if mode == COMPILED and (core in FOREIGN or self.compile):
-                raise MedusaError(f"{kind}: {COMPILED} is for our engine's methods run eager beside it (no --compile)")
+            if mode in (COMPILED, STOCK) and (core in FOREIGN or self.compile):
+                raise MedusaError(f"{kind}: {mode} is for our engine's methods run eager beside it (no --compile)")
             if kind == LLAMACPP and self.temperature > 0:
                 raise MedusaError(f"method {LLAMACPP} is plain greedy decoding: run it at temperature 0")
             if core.endswith(SHIPPED) and core.removesuffix(SHIPPED).partition("+")[0] not in FITTED_KINDS:
@@ -91,7 +94,7 @@ class BenchConfig:
             if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base in FOREIGN or base == "default")):
                 raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
                                   f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
-                                  f"any but hf*/{LLAMACPP} with {EXACT} or {COMPILED}")
+                                  f"any but hf*/{LLAMACPP} with {EXACT}, {COMPILED} or {STOCK}")
         self.calibration = CalibrationMode.parse(self.calibration).value
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")

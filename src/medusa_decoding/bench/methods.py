@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..attention import register_attention
 from ..config import CalibrationMode, DrafterKind, MedusaError, NgramConfig
-from .config import COMPILED, EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, BenchConfig, split_mode
+from .config import COMPILED, EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, STOCK, BenchConfig, split_mode
 from .prompts import Prompt
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -76,17 +76,17 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
     return generate
 
 
-def compiled_method(backend, generate: Generate) -> Generate:
-    """The same engine method on `backend` (a CompiledBackend) for the call."""
-    def compiled(input_ids, max_new_tokens, seed):
+def backend_method(backend, generate: Generate) -> Generate:
+    """The same engine method on `backend` (compiled, or eager on stock linears) for the call."""
+    def on_backend(input_ids, max_new_tokens, seed):
         model = generate.model
         eager, model.backend = model.backend, backend
         try:
             return generate(input_ids, max_new_tokens, seed)
         finally:
             model.backend = eager
-    compiled.backend = backend
-    return compiled
+    on_backend.backend = backend
+    return on_backend
 
 
 @contextlib.contextmanager
@@ -272,10 +272,14 @@ def build_methods(cfg: BenchConfig):
         from ..verifiers.compiled import CompiledBackend
 
         compiled = CompiledBackend(base.base, freeze=False)
-    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact/@compiled: each of its methods in that mode
+    from ..verifiers.transformers import EagerBackend
+
+    stock = EagerBackend(base.base, packed=False) if any(split_mode(k)[1] == STOCK for k in kinds) else None
+    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact/@compiled/@stock: each of its methods in that mode
     for kind in kinds:
         core, mode = split_mode(kind)
         for m in made[core]:
             asked[m + mode] = (exact_method(base, methods[m]) if mode == EXACT else
-                               compiled_method(compiled, methods[m]) if mode == COMPILED else methods[m])
+                               backend_method(compiled, methods[m]) if mode == COMPILED else
+                               backend_method(stock, methods[m]) if mode == STOCK else methods[m])
     return base, asked, default

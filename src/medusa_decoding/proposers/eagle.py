@@ -47,8 +47,8 @@ class EagleProposer(PathProposer):
         mask = torch.zeros(n, start + n, dtype=dtype, device=hidden.device)
         mask[:, start:] = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=hidden.device).triu_(1)
         pos = torch.arange(start, start + n, device=hidden.device)[None]
-        feats = d.weights.from_base(hidden[None].to(dtype))  # [1, n, D]
-        out = d.weights(feats, d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
+        feats = d.net.from_base(hidden[None].to(dtype))  # [1, n, D]
+        out = d.net(feats, d.embed(next_tokens)[None], pos, mask[None, None], self.cache)
         self.committed, self.pending = start + n, None
         return out[0, -1]
 
@@ -78,11 +78,11 @@ class EagleProposer(PathProposer):
             bias[:, self.committed:].masked_fill_(~rows[:, : n + w], torch.finfo(dtype).min)
             pos = torch.full((1, w), root_pos + j, dtype=torch.long, device=device)
             x_tok = d.short.vocab[tokens[frontier]]  # [W]
-            out = d.weights(feats[parent_slot + 1][None], d.embed(x_tok)[None], pos, bias[None, None], self.cache)[0]
+            out = d.net(feats[parent_slot + 1][None], d.embed(x_tok)[None], pos, bias[None, None], self.cache)[0]
             feats[slots + 1] = out  # [W, D]
-            return d.short.log_probs(d.weights.readout(out))
+            return d.short.log_probs(d.net.readout(out))
 
-        return d.short.log_probs(d.weights.readout(g0)), expand
+        return d.short.log_probs(d.net.readout(g0)), expand
 
 
 register(DrafterKind.EAGLE, DrafterSpec(load=load, wrap=EagleDrafter))

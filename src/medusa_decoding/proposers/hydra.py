@@ -32,7 +32,7 @@ class HydraProposer(PathProposer):
 
     def _expander(self, root: torch.Tensor):
         d = self.drafter
-        heads, h, embed, short = d.weights, self.last_hidden, d.embed, d.short
+        heads, h, embed, short = d.net, self.last_hidden, d.embed, d.short
         root_embed = embed(root.reshape(1))  # [1, D]
         first = short.log_probs(heads.head(0, h[None], root_embed[None]))[0]  # [V']
         calls = [0]

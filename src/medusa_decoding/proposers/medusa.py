@@ -17,6 +17,7 @@ from ..config import DEFAULT_TREE, DYNAMIC_BUDGET, DYNAMIC_DEPTH, DYNAMIC_WIDTH,
 from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
+from ..verifiers.packed import pack_linears
 from . import Drafter, DrafterSpec, Proposal, Proposer, register
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads (medusa calibrate)
@@ -49,9 +50,10 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, base_model, tree=None, budget: int | None = None):
         heads.check_fits(base_model)
-        self.lm_head = base_model.get_output_embeddings()
+        self.lm_head, _ = pack_linears(base_model.get_output_embeddings())  # prepacked where exact here (packed.py)
         weight = self.lm_head.weight
         self.weights = heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.net, _ = pack_linears(self.weights)  # what drafting runs; `weights` stays stock
         source = getattr(heads, "source", None)  # the checkpoint folder, when loaded from one
         self.accuracy = None  # [K][R] from the heads' calibration: head k's rank-r hit rate
         if source is not None and (Path(source) / TREE_NAME).is_file():
@@ -137,11 +139,11 @@ class MedusaProposer(Proposer):
         tree = d.tree_for(budget)
         if d.dynamic:
             u = tree.universe
-            logits = d.weights(self.last_hidden, d.lm_head, num_heads=u.max_depth)  # [K, V]
+            logits = d.net(self.last_hidden, d.lm_head, num_heads=u.max_depth)  # [K, V]
             log_probs, topk = torch.log_softmax(logits.float(), -1).topk(u.topk, dim=-1)  # [K, width] each
             tree = select_tree(tree, log_probs[: u.max_depth], False)
         elif tree.max_depth:
-            logits = d.weights(self.last_hidden, d.lm_head, num_heads=tree.max_depth)  # [K, V]
+            logits = d.net(self.last_hidden, d.lm_head, num_heads=tree.max_depth)  # [K, V]
             topk = logits.topk(tree.topk, dim=-1).indices  # [K, topk]
         else:
             return None

@@ -14,6 +14,7 @@ import torch
 from .. import drafters
 from ..config import MedusaError
 from ..tree import tree_from_parents
+from ..verifiers.packed import pack_linears
 from . import Drafter, Proposal, Proposer, read_acceptance
 
 
@@ -30,6 +31,10 @@ class PathDrafter(Drafter):
         cfg = module.config
         self.embed = base_model.get_input_embeddings()
         self.short = module.shortlist(base_model)
+        # what drafting runs: the weights, their linears and shortlist prepacked where that is exact
+        # here (bf16/fp16 on CPU, verifiers/packed.py); `weights` stays stock
+        self.net, _ = pack_linears(self.weights)
+        self.short.pack()
         self.width, self.depth = cfg.draft_width, cfg.draft_depth
         self.budget = budget or cfg.draft_budget
         if budget is not None and budget < 2:

@@ -21,6 +21,7 @@ from ..cache import SlotCache, keep_path, new_cache
 from ..config import MedusaError
 from ..tree import TreeBuffers
 from . import Row, Verifier
+from .packed import pack_linears
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -63,13 +64,19 @@ class EagerBackend:
 
     compiled = False
 
-    def __init__(self, model, slots: bool | None = None):
+    def __init__(self, model, slots: bool | None = None, packed: bool | None = None):
         """slots: run on the slot cache (default: where every layer is full attention); False:
-        transformers' DynamicCache, the reference path."""
-        self.model = model
+        transformers' DynamicCache, the reference path. packed: run the linear layers on weights
+        prepacked for oneDNN (packed.py; default: on the slot cache, where they are supported and
+        checked bit-identical here); `model` itself is left stock."""
+        self.base = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
+        self.model, self.linears = model, "linears: stock"
+        if self.slots if packed is None else packed:
+            self.model, self.linears = pack_linears(model)
+        self.packed = self.model is not model
         text = model.config.get_text_config()
         self.context_length = text.max_position_embeddings
         window = getattr(text, "sliding_window", None)
@@ -97,7 +104,7 @@ class EagerBackend:
         return 0.0
 
     def stats(self) -> dict:
-        return {"backend": "eager", "cache": "slots" if self.slots else "dynamic"}
+        return {"backend": "eager-packed" if self.packed else "eager", "cache": "slots" if self.slots else "dynamic"}
 
 
 class TransformersVerifier(Verifier):
