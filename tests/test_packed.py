@@ -13,7 +13,7 @@ from medusa_decoding.verifiers.transformers import EagerBackend
 
 from conftest import byte_tokenizer, random_heads, tiny_llama
 
-needs_onednn = pytest.mark.skipif(packed.supported(tiny_llama().to(torch.bfloat16)) is not None,
+needs_onednn = pytest.mark.skipif(packed.supported(torch.zeros(1, dtype=torch.bfloat16)) is not None,
                                   reason="this torch build cannot pack bf16 linears")
 
 
@@ -65,13 +65,12 @@ def test_the_check_finds_a_packed_layer_that_differs(monkeypatch):
     off = packed.packed_linear
     monkeypatch.setattr(packed, "packed_linear", lambda x, w, b: off(x, w, b) * (1 + 2 ** -6))
     assert "differs at 1 rows" in packed.check(base)
-    model, line = packed.pack_linears(base)
-    assert model is base and "stock" in line  # not packed where it would not be exact
+    assert packed.pack_linears(base) is base  # not packed where it would not be exact
 
 
 def test_fp32_and_the_reference_path_stay_stock():
     base = tiny_llama()
-    assert "float32" in packed.supported(base)
+    assert "float32" in packed.supported(base.lm_head.weight)
     assert not EagerBackend(base).packed
     assert not EagerBackend(base.to(torch.bfloat16), slots=False).packed
 

@@ -33,7 +33,7 @@ class PathDrafter(Drafter):
         self.short = module.shortlist(base_model)
         # what drafting runs: the weights, their linears and shortlist prepacked where that is exact
         # here (bf16/fp16 on CPU, verifiers/packed.py); `weights` stays stock
-        self.net, _ = pack_linears(self.weights)
+        self.net = pack_linears(self.weights)
         self.short.pack()
         self.width, self.depth = cfg.draft_width, cfg.draft_depth
         self.budget = budget or cfg.draft_budget

@@ -86,7 +86,7 @@ def compiles_by_default(model) -> bool:
     1 / 8 / 16 nodes took 49.0 / 53.2 / 62.2 ms packed, 47.6 / 53.0 / 61.9 ms saved, 67.5 / 74.3 /
     87.1 ms stock, and a saved graph costs 40-60 s to build a shape."""
     return (full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
-            and packed.supported(model) is not None)
+            and packed.supported(next(model.parameters())) is not None)
 
 
 def graph_folder(model, graphs: Path | None = None) -> Path:

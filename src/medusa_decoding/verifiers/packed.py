@@ -7,7 +7,7 @@ less time. Measured on the AMD EPYC with AVX-512 bf16 (2 threads, median of 200 
 
 | weight [out, in] | 1 row | 8 rows | 16 rows | 32 rows |
 |---|---|---|---|---|
-| 576 x 576 | 47 -> 23-37 | 46 -> 32 | 56 -> 45 | 81 -> 72 |
+| 576 x 576 | 47 -> 37 | 46 -> 32 | 56 -> 46 | 81 -> 72 |
 | 1536 x 576 | 65 -> 34 | 94 -> 56 | 150 -> 123 | 227 -> 186 |
 | 49152 x 576 (the LM head) | 4688 -> 2614 | 5407 -> 2878 | 6759 -> 3748 | 9132 -> 6170 |
 
@@ -66,13 +66,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def supported(model) -> str | None:
-    """Why the module's linears cannot be packed here, or None when they can (before `check`)."""
-    weight = next(model.parameters(), None)
+def supported(weight: torch.Tensor | None) -> str | None:
+    """Why linears with this weight (a module's first parameter) cannot be packed here, or None
+    when they can (before `check`)."""
     if weight is None:
         return "no weights"
     if weight.device.type != "cpu":
-        return f"packed linears are for CPUs (the model is on {weight.device.type})"
+        return f"packed linears are for CPUs (the weights are on {weight.device.type})"
     if weight.dtype not in PACKED_DTYPES:
         return f"packed linears gain nothing in {str(weight.dtype).removeprefix('torch.')} (bf16 and fp16 only)"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -119,9 +119,7 @@ def check(model, rows: tuple[int, ...] = CHECK_ROWS) -> str | None:
 def packed_or_none(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] packed where that is supported and checked exact here, else None (a
     weight outside a module: a drafter's shortlist of the LM head)."""
-    holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    holder.weight = nn.Parameter(weight, requires_grad=False)
-    if supported(holder) is not None or check_weight(weight) is not None:
+    if supported(weight) is not None or check_weight(weight) is not None:
         return None
     return pack_weight(weight)
 
@@ -130,10 +128,10 @@ def packed_copy(model) -> nn.Module:
     """The model with its nn.Linear modules on packed weights: a new module tree sharing every
     parameter, buffer and config object of `model` (so that an attention implementation set on
     the model holds for the copy), which is left as it was."""
-    configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
-               if c is not None]
     if isinstance(model, nn.Linear):  # a layer on its own (an LM head)
         return PackedLinear(model)
+    configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
+               if c is not None]
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), configs)}
     packed = copy.deepcopy(model, memo)
     for name, module in list(packed.named_modules()):
@@ -142,10 +140,13 @@ def packed_copy(model) -> nn.Module:
     return packed
 
 
-def pack_linears(model) -> tuple[nn.Module, str]:
-    """-> (the model to run: packed where it is supported and checked exact here, else `model`
-    itself; a line saying which)."""
-    why = supported(model) or check(model)
+def pack_linears(model) -> nn.Module:
+    """The model to run: packed_copy(model) where that is supported and checked exact here, else
+    `model` itself (logged when only the check kept it stock)."""
+    if supported(next(model.parameters(), None)) is not None:
+        return model
+    why = check(model)
     if why is not None:
-        return model, f"linears: stock ({why})"
-    return packed_copy(model), "linears: prepacked for oneDNN (bit-identical to the stock layers, checked)"
+        log.info("linear layers left stock: packed, %s", why)
+        return model
+    return packed_copy(model)

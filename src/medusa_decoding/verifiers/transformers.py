@@ -69,13 +69,10 @@ class EagerBackend:
         transformers' DynamicCache, the reference path. packed: run the linear layers on weights
         prepacked for oneDNN (packed.py; default: on the slot cache, where they are supported and
         checked bit-identical here); `model` itself is left stock."""
-        self.base = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
-        self.model, self.linears = model, "linears: stock"
-        if self.slots if packed is None else packed:
-            self.model, self.linears = pack_linears(model)
+        self.model = pack_linears(model) if (self.slots if packed is None else packed) else model
         self.packed = self.model is not model
         text = model.config.get_text_config()
         self.context_length = text.max_position_embeddings
