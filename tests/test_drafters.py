@@ -319,6 +319,32 @@ def test_training_learns_and_the_checkpoint_drafts(base_dir, tmp_path, kind):
     assert spec.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_warm_start_continues_from_the_checkpoint(base_dir, tmp_path, kind):
+    """--init: the run starts from the checkpoint's weights and keeps its shape and shortlist,
+    even when the new data's most frequent tokens differ; a checkpoint of another kind is refused."""
+    from safetensors.torch import load_file
+
+    shape = dict(drafter=kind, train_vocab=64, inner_size=64, unroll=2, batch_size=256 if kind == "eagle" else 64)
+    train(train_cfg(base_dir, counting_data(tmp_path / "a.jsonl", n=60), tmp_path / "a", epochs=1, **shape),
+          progress=False)
+    other = tmp_path / "b.jsonl"  # letters, not digits: another shortlist if it were chosen afresh
+    other.write_text("".join(json.dumps({"id": f"l{i}", "conversations": [
+        {"from": "human", "value": "spell"}, {"from": "gpt", "value": " ".join("klmnopqrstuvwxyz"[i % 7:] * 2)}]}) + "\n"
+        for i in range(60)))
+    warm = shape | dict(num_heads=2, inner_size=32, train_vocab=16, lr=1e-12, warmup_steps=1)  # shape comes from --init
+    train(train_cfg(base_dir, other, tmp_path / "b", epochs=0.2, init=str(tmp_path / "a"), **warm), progress=False)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), atol=1e-5), name
+    assert torch.equal(a["vocab"], b["vocab"])
+    with pytest.raises(MedusaError, match=f"holds a {kind} drafter"):
+        train(train_cfg(base_dir, other, tmp_path / "c", drafter="medusa", init=str(tmp_path / "a")), progress=False)
+    with pytest.raises(MedusaError, match="no such checkpoint"):
+        train(train_cfg(base_dir, other, tmp_path / "d", drafter=kind, init=str(tmp_path / "nowhere")), progress=False)
+
+
 def test_drafter_calibration_measures_the_grid_and_saves_the_best(model, tmp_path):
     from medusa_decoding import calibrate as cal
 

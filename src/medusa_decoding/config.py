@@ -182,6 +182,7 @@ class TrainConfig:
     data: str = "sharegpt"  # "sharegpt" or a JSON/JSONL file of ShareGPT-shaped records
     out: str = "runs/heads"  # heads, checkpoints, logs and metrics go here
     drafter: str = "medusa"  # "medusa" heads, "hydra" sequential heads, or an "eagle" feature drafter
+    init: str | None = None  # start from this checkpoint's weights and shape ("shipped": the one shipped of this kind)
     num_heads: int = 4  # K (hydra: the deepest level it drafts)
     num_layers: int = 1  # blocks per head
     inner_size: int = 0  # 0: Medusa's ResBlock; > 0: an MLP block of this inner width (hydra: 0 = 2 D)

@@ -25,7 +25,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -240,13 +240,16 @@ def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainCon
     return loss, torch.stack(top1)
 
 
-def shortlist_head(lm_head: torch.nn.Module, labels: torch.Tensor, size: int):
-    """A frozen LM head over the `size` most frequent label tokens -> (head [V'] outputs,
-    label_map [V] long: a token's index in the shortlist, IGNORE outside it). The heads'
-    features still meet the full LM head at inference; only the training loss is truncated."""
+def shortlist_head(lm_head: torch.nn.Module, labels: torch.Tensor, size: int, keep: torch.Tensor | None = None):
+    """A frozen LM head over the `size` most frequent label tokens (or the token ids `keep` [V'],
+    a warm start's shortlist) -> (head [V'] outputs, label_map [V] long: a token's index in the
+    shortlist, IGNORE outside it). The heads' features still meet the full LM head at inference;
+    only the training loss is truncated."""
     vocab = lm_head.weight.shape[0]
-    freq = torch.bincount(labels[labels != IGNORE], minlength=vocab)
-    keep = freq.topk(min(size, vocab)).indices.sort().values  # [V']
+    if keep is None:
+        freq = torch.bincount(labels[labels != IGNORE], minlength=vocab)
+        keep = freq.topk(min(size, vocab)).indices.sort().values  # [V']
+    keep = keep.to(lm_head.weight.device)
     head = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=False)
     head.weight.data = lm_head.weight.data[keep].clone()
     head.requires_grad_(False)
@@ -490,21 +493,28 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     embed = None  # drafters read the base's input embedding; Medusa heads do not
     if cfg.drafter != "medusa":
         embed = base.get_input_embeddings().float().requires_grad_(False)
-    if cfg.drafter == "medusa":
+    if cfg.init is not None:  # a warm start: the checkpoint's weights, shape and shortlist
+        heads = initial_weights(cfg, base)
+        cfg = replace(cfg, num_heads=heads.config.num_heads if cfg.drafter != "medusa" else heads.num_heads)
+        if is_main:
+            (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+            log.info("warm start from %s (%d heads)", cfg.init, cfg.num_heads)
+    elif cfg.drafter == "medusa":
         heads = MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
     else:
         heads = drafter_for_base(cfg.drafter, base, cfg.model, num_heads=cfg.num_heads,
                                  inner_size=cfg.inner_size or 2 * base.config.get_text_config().hidden_size,
                                  shortlist_size=cfg.train_vocab or 8192,
                                  feature_layers=list(layers) if fused else None)
-    heads = heads.float().train()
+    heads = heads.float().train().requires_grad_(True)
     lm_head.float().requires_grad_(False)
     del base
     pos = load_positions(train_shards, cfg.num_heads, cfg.max_conversations)
     train_head, label_map = lm_head, None
     if cfg.drafter != "medusa" or (cfg.train_vocab and not cfg.own_lm_head):
         size = heads.config.shortlist_size if cfg.drafter != "medusa" else cfg.train_vocab
-        train_head, label_map = shortlist_head(lm_head, pos.labels, size)
+        keep = heads.vocab.clone() if cfg.init is not None and cfg.drafter != "medusa" else None
+        train_head, label_map = shortlist_head(lm_head, pos.labels, size, keep)
         if cfg.drafter != "medusa":  # the drafter proposes only these tokens at inference
             heads.vocab.copy_(torch.nonzero(label_map != IGNORE)[:, 0])
         if is_main:
@@ -656,6 +666,30 @@ def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None =
         num_heads = weights.config.num_heads if hydra else weights.num_heads
         return evaluate(weights, lm_head, load_positions(shards, num_heads, limit), embed=embed if hydra else None,
                         short=Shortlist(lm_head, weights.vocab) if hydra else None)
+
+
+def initial_weights(cfg: TrainConfig, base):
+    """The checkpoint `cfg.init` names ("shipped": the cfg.drafter kind shipped for cfg.model),
+    loaded for `base` to be trained further: its kind must be cfg.drafter; its shape (heads,
+    blocks, widths, eagle's fused layers) and a drafter's shortlist come with it."""
+    from . import proposers
+
+    path = cfg.init
+    if path == "shipped":
+        from .engine import shipped_heads
+
+        path = shipped_heads(cfg.model, cfg.drafter)
+        if path is None:
+            raise MedusaError(f"--init shipped: no {cfg.drafter} drafter is shipped for {cfg.model}")
+    if not Path(path).expanduser().is_dir():
+        raise MedusaError(f"--init {cfg.init}: no such checkpoint folder")
+    weights = proposers.load(path, base)
+    if weights.kind != cfg.drafter:
+        raise MedusaError(f"--init {cfg.init} holds a {weights.kind} drafter; pass --drafter {weights.kind}")
+    if cfg.drafter == "eagle" and (weights.config.feature_layers is not None) != (cfg.recipe == EagleRecipe.EAGLE3.value):
+        recipe = "eagle3" if weights.config.feature_layers is not None else "eagle1"
+        raise MedusaError(f"--init {cfg.init} was trained with the {recipe} recipe; pass --recipe {recipe}")
+    return weights
 
 
 def distilled_folder(data: str) -> Path | None:
