@@ -646,11 +646,7 @@ def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None =
     if not shards:
         raise MedusaError(f"{folder} holds no held-out conversations yet")
     if heads == "shipped":
-        from .engine import shipped_heads
-
-        heads = shipped_heads(recorded["model"])
-        if heads is None:
-            raise MedusaError(f"no drafter is shipped for {recorded['model']}, the model of {folder}")
+        heads = shipped_checkpoint(recorded["model"], what=f"{recorded['model']}, the model of {folder}")
     base, _, _ = load_base(recorded["model"], dtype="float32", device="cpu")
     weights = proposers.load(heads, base).float().eval()
     lm_head, embed = base.get_output_embeddings().float(), base.get_input_embeddings().float()
@@ -668,19 +664,23 @@ def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None =
                         short=Shortlist(lm_head, weights.vocab) if hydra else None)
 
 
+def shipped_checkpoint(model: str, kind: str | None = None, what: str = "") -> Path:
+    """The folder of the drafter shipped for a built-in `model` (kind None: its default one)."""
+    from .engine import shipped_heads
+
+    path = shipped_heads(model, kind)
+    if path is None:
+        raise MedusaError(f"no {kind + ' ' if kind else ''}drafter is shipped for {what or model}")
+    return path
+
+
 def initial_weights(cfg: TrainConfig, base):
     """The checkpoint `cfg.init` names ("shipped": the cfg.drafter kind shipped for cfg.model),
     loaded for `base` to be trained further: its kind must be cfg.drafter; its shape (heads,
     blocks, widths, eagle's fused layers) and a drafter's shortlist come with it."""
     from . import proposers
 
-    path = cfg.init
-    if path == "shipped":
-        from .engine import shipped_heads
-
-        path = shipped_heads(cfg.model, cfg.drafter)
-        if path is None:
-            raise MedusaError(f"--init shipped: no {cfg.drafter} drafter is shipped for {cfg.model}")
+    path = shipped_checkpoint(cfg.model, cfg.drafter, cfg.model) if cfg.init == "shipped" else cfg.init
     if not Path(path).expanduser().is_dir():
         raise MedusaError(f"--init {cfg.init}: no such checkpoint folder")
     weights = proposers.load(path, base)
