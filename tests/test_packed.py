@@ -68,6 +68,25 @@ def test_the_check_finds_a_packed_layer_that_differs(monkeypatch):
     assert packed.pack_linears(base) is base  # not packed where it would not be exact
 
 
+@needs_onednn
+def test_the_check_asks_for_one_row_products_not_the_stock_kernel_at_n_rows(monkeypatch):
+    """The rows of a packed product must be what a one-token step computes: a stock kernel whose
+    multi-row rounding differs (oneDNN on AMX, the LM head from 28 rows) does not stop packing; a
+    packed kernel whose rows depend on the other rows does."""
+    base = bf16_base()
+    linear = torch.nn.functional.linear
+
+    def stock_by_rows(x, w, b=None):  # rounds otherwise from 8 rows on, as a row-count-blocked kernel may
+        y = linear(x, w, b)
+        return y * (1 + 2 ** -6) if x.shape[-2] >= 8 else y
+    monkeypatch.setattr(packed.F, "linear", stock_by_rows)
+    assert packed.check(base) is None
+    monkeypatch.setattr(packed.F, "linear", linear)
+    off = packed.packed_linear
+    monkeypatch.setattr(packed, "packed_linear", lambda x, w, b: off(x, w, b) * (1 + 2 ** -6 * (x.shape[-2] >= 16)))
+    assert "differs at 16 rows" in packed.check(base)
+
+
 def test_fp32_and_the_reference_path_stay_stock():
     base = tiny_llama()
     assert "float32" in packed.supported(base.lm_head.weight)

@@ -68,7 +68,7 @@ class EagerBackend:
         """slots: run on the slot cache (default: where every layer is full attention); False:
         transformers' DynamicCache, the reference path. packed: run the linear layers on weights
         prepacked for oneDNN (packed.py; default: on the slot cache, where they are supported and
-        checked bit-identical here); `model` itself is left stock."""
+        checked bit-identical here, row by row, to one-row products); `model` itself is left stock."""
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
