@@ -3,7 +3,8 @@
 An eager bf16 `F.linear` on CPU hands its weight to oneDNN in the plain [out, in] layout, which
 oneDNN reorders into its blocked layout on every call. Reordered once, at load (what inductor's
 freezing does inside a frozen graph), the same weights give each row the output of a one-row
-product, bit for bit, in less time. Measured on the AMD EPYC with AVX-512 bf16 (2 threads, median of 200 calls, us):
+product, bit for bit, in less time. Measured on the AMD EPYC with AVX-512 bf16 (2 threads, median
+of 200 calls, us):
 
 | weight [out, in] | 1 row | 8 rows | 16 rows | 32 rows |
 |---|---|---|---|---|
@@ -11,7 +12,7 @@ product, bit for bit, in less time. Measured on the AMD EPYC with AVX-512 bf16 (
 | 1536 x 576 | 65 -> 34 | 94 -> 56 | 150 -> 123 | 227 -> 186 |
 | 49152 x 576 (the LM head) | 4688 -> 2614 | 5407 -> 2878 | 6759 -> 3748 | 9132 -> 6170 |
 
-On the Intel Xeon with AMX (2 threads, us): 576 x 576 46 -> 25 at 1 row, 42 -> 26 at 16; 1536 x 576
+On the Intel Xeon with AMX (2 threads, median of 50 calls, us): 576 x 576 46 -> 25 at 1 row, 42 -> 26 at 16; 1536 x 576
 82 -> 36, 84 -> 48; the LM head 2642 -> 1277, 3548 -> 1353.
 
 fp32 gains nothing this way (MKL's packed sgemm: the same time, and 1-row outputs differ in the
