@@ -12,8 +12,8 @@ of 200 calls, us):
 | 1536 x 576 | 65 -> 34 | 94 -> 56 | 150 -> 123 | 227 -> 186 |
 | 49152 x 576 (the LM head) | 4688 -> 2614 | 5407 -> 2878 | 6759 -> 3748 | 9132 -> 6170 |
 
-On the Intel Xeon with AMX (2 threads, median of 50 calls, us): 576 x 576 46 -> 25 at 1 row, 42 -> 26 at 16; 1536 x 576
-82 -> 36, 84 -> 48; the LM head 2642 -> 1277, 3548 -> 1353.
+On the Intel Xeon with AMX (2 threads, median of 50 calls, us): 576 x 576 46 -> 25 at 1 row,
+42 -> 26 at 16; 1536 x 576 82 -> 36, 84 -> 48; the LM head 2642 -> 1277, 3548 -> 1353.
 
 fp32 gains nothing this way (MKL's packed sgemm: the same time, and 1-row outputs differ in the
 last bits), so only bf16 and fp16 are packed, and only where `check` finds every row of a packed
