@@ -33,6 +33,7 @@ from torch import nn
 
 from .config import DEFAULT_MODEL, DrafterKind, JsonConfig, MedusaError
 from .heads import check_fits
+from .verifiers.blocks import Blocks, block_linear, blocks_or_none
 from .verifiers.packed import packed_linear, packed_or_none
 
 CONFIG_NAME = "config.json"
@@ -135,16 +136,23 @@ class Shortlist:
         self.vocab = vocab.to(lm_head.weight.device)  # [V'] token ids
         self.weight = lm_head.weight[self.vocab]  # [V', D]
         self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (pack), or None
+        self.blocks: Blocks | None = None  # the weight on its GGUF blocks (pack), or None
 
     def pack(self) -> bool:
-        """Project on the weight prepacked for oneDNN, where that is exact here (bf16/fp16 on CPU,
-        verifiers/packed.py) -> packed."""
+        """Project on the weight prepacked for oneDNN (bf16/fp16 on CPU, verifiers/packed.py) or on
+        its GGUF blocks (fp32 on CPU, verifiers/blocks.py), where that is exact here -> either."""
         self.packed = packed_or_none(self.weight)
-        return self.packed is not None
+        self.blocks = blocks_or_none(self.weight) if self.packed is None else None
+        return self.packed is not None or self.blocks is not None
 
     def log_probs(self, features: torch.Tensor) -> torch.Tensor:
         x = features.to(self.weight.dtype)
-        logits = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
+        if self.packed is not None:
+            logits = packed_linear(x, self.packed, None)
+        elif self.blocks is not None:
+            logits = block_linear(x, self.blocks, None)
+        else:
+            logits = F.linear(x, self.weight)
         return torch.log_softmax(logits.float(), dim=-1)
 
 

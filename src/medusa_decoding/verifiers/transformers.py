@@ -21,6 +21,7 @@ from ..cache import SlotCache, keep_path, new_cache
 from ..config import MedusaError
 from ..tree import TreeBuffers
 from . import Row, Verifier
+from .blocks import block_linears
 from .packed import pack_linears
 
 
@@ -49,6 +50,14 @@ def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False
     return logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
+def lean_linears(model):
+    """The model with its linear layers on a leaner form of the same weights, where that is exact
+    here: prepacked for oneDNN in bf16/fp16 (packed.py), on the GGUF's own blocks in fp32
+    (blocks.py); else `model` itself."""
+    out = pack_linears(model)
+    return out if out is not model else block_linears(model)
+
+
 def check_layers(model, layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
     """Hidden-state indices a drafter asks for, checked against the base's depth."""
     if layers is None:
@@ -66,14 +75,16 @@ class EagerBackend:
 
     def __init__(self, model, slots: bool | None = None, packed: bool | None = None):
         """slots: run on the slot cache (default: where every layer is full attention); False:
-        transformers' DynamicCache, the reference path. packed: run the linear layers on weights
-        prepacked for oneDNN (packed.py; default: on the slot cache, where they are supported and
-        checked bit-identical here, row by row, to one-row products); `model` itself is left stock."""
+        transformers' DynamicCache, the reference path. packed: run the linear layers on lean weights
+        (lean_linears: prepacked in bf16/fp16, GGUF blocks in fp32; default: on the slot cache, where
+        they are supported and each row of a product is checked to be the one-row product); `model`
+        itself is left stock."""
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
-        self.model = pack_linears(model) if (self.slots if packed is None else packed) else model
+        self.model = lean_linears(model) if (self.slots if packed is None else packed) else model
         self.packed = self.model is not model
+        self.linears = "stock" if not self.packed else "packed" if self.dtype != torch.float32 else "blocks"
         text = model.config.get_text_config()
         self.context_length = text.max_position_embeddings
         window = getattr(text, "sliding_window", None)
@@ -101,7 +112,8 @@ class EagerBackend:
         return 0.0
 
     def stats(self) -> dict:
-        return {"backend": "eager-packed" if self.packed else "eager", "cache": "slots" if self.slots else "dynamic"}
+        return {"backend": "eager" if not self.packed else f"eager-{self.linears}",
+                "cache": "slots" if self.slots else "dynamic"}
 
 
 class TransformersVerifier(Verifier):

@@ -1,0 +1,94 @@
+// Linear layers on the blocks of a GGUF's Q4_1 / Q8_0 weights, fp32 activations, AVX2 + FMA (blocks.py).
+// Built once per machine by torch.utils.cpp_extension; OpenMP through torch's own runtime.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <vector>
+
+// Panels of 16 output rows, k-major: q4 codes [P, K, 8] (byte i of (p, k): q[16p + i, k] | q[16p + 8 + i, k] << 4),
+// q8 codes [P, K, 16] int8; scales d (and mins m, q4) [P, K/32, 16] fp32. A weight is fl(fl(d * q) + m).
+// One block (32 k) of a panel at a time is dequantized into wt [32, 16] (2 KB, stays in L1).
+static inline void block_q4(const uint8_t* c, const float* d, const float* m, float* wt) {
+  const __m128i lo = _mm_set1_epi8(0x0F);
+  __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+  __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8);
+  for (int k = 0; k < 32; ++k) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i*)(c + 8 * k));
+    __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, lo)));
+    __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), lo)));
+    _mm256_storeu_ps(wt + 16 * k, _mm256_add_ps(_mm256_mul_ps(d0, q0), m0));
+    _mm256_storeu_ps(wt + 16 * k + 8, _mm256_add_ps(_mm256_mul_ps(d1, q1), m1));
+  }
+}
+
+static inline void block_q8(const int8_t* c, const float* d, float* wt) {
+  __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+  for (int k = 0; k < 32; ++k) {
+    __m128i bytes = _mm_loadu_si128((const __m128i*)(c + 16 * k));
+    __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(wt + 16 * k, _mm256_mul_ps(q0, d0));
+    _mm256_storeu_ps(wt + 16 * k + 8, _mm256_mul_ps(q1, d1));
+  }
+}
+
+// R rows x 16 outputs over one block: every output is one chain y = fma(w[k], x[k], y) over k in order,
+// carried in y between blocks (an exact fp32 store and load), the same for any R: a row's result does
+// not depend on the other rows, nor on how they are grouped.
+template <int R>
+static inline void micro(const float* x, int64_t K, const float* wt, float* y, int64_t N) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) { a[r][0] = _mm256_loadu_ps(y + r * N); a[r][1] = _mm256_loadu_ps(y + r * N + 8); }
+  for (int k = 0; k < 32; ++k) {
+    __m256 w0 = _mm256_loadu_ps(wt + 16 * k), w1 = _mm256_loadu_ps(wt + 16 * k + 8);
+    for (int r = 0; r < R; ++r) {
+      __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+      a[r][0] = _mm256_fmadd_ps(w0, xb, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w1, xb, a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(y + r * N, a[r][0]); _mm256_storeu_ps(y + r * N + 8, a[r][1]); }
+}
+
+// rows r.. of one block, in groups of at most 6, sizes as even as possible (8 rows: 4 + 4)
+static inline void rows_block(const float* x, int64_t M, int64_t K, const float* wt, float* y, int64_t N) {
+  int64_t r = 0;
+  while (r < M) {
+    const int64_t left = M - r, groups = (left + 5) / 6, R = (left + groups - 1) / groups;
+    const float* xr = x + r * K;
+    float* yr = y + r * N;
+    switch (R) {
+      case 6: micro<6>(xr, K, wt, yr, N); break;
+      case 5: micro<5>(xr, K, wt, yr, N); break;
+      case 4: micro<4>(xr, K, wt, yr, N); break;
+      case 3: micro<3>(xr, K, wt, yr, N); break;
+      case 2: micro<2>(xr, K, wt, yr, N); break;
+      default: micro<1>(xr, K, wt, yr, N); break;
+    }
+    r += R;
+  }
+}
+
+// x [M, K] fp32 contiguous -> y [M, N]; codes/d/m as above, bits 4 (Q4_1) or 8 (Q8_0; m unused).
+torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [M, K] contiguous fp32");
+  TORCH_CHECK(x.size(1) == codes.size(1) && x.size(1) % 32 == 0, "x's K must match the codes' and be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = 16 * P, B = K / 32;
+  auto y = torch::zeros({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = bits == 4 ? m.data_ptr<float>() : nullptr;
+  const uint8_t* cp = (const uint8_t*)codes.data_ptr();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float wt[32 * 16];
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < B; ++b) {
+        if (bits == 4) block_q4(cp + (p * K + 32 * b) * 8, dp + (p * B + b) * 16, mp + (p * B + b) * 16, wt);
+        else block_q8((const int8_t*)cp + (p * K + 32 * b) * 16, dp + (p * B + b) * 16, wt);
+        rows_block(xp + 32 * b, M, K, wt, yp + 16 * p, N);
+      }
+    }
+  });
+  return y;
+}

@@ -1,0 +1,294 @@
+"""The base's linear layers on the GGUF's own blocks, for the eager step in fp32 on CPU.
+
+A model loaded from a GGUF file is dequantized to fp32: a Q4_1 weight is fl(fl(d q) + m) for 4-bit
+codes q and fp16 block scales d and mins m (blocks of 32 along the input), a Q8_0 weight fl(d q) for
+8-bit codes. An fp32 step then reads 4 bytes a weight where the file held 0.5 or 1, and on a CPU
+without bf16 hardware (AVX2 only) that is the whole step: the built-in SmolLM2's linears read 540 MB
+of fp32 a token. `recover` finds the codes and scales back from the fp32 values, and keeps a layer
+only where fl(fl(d q) + m) gives every fp32 weight back bit for bit; `blocks.cpp` multiplies on
+the blocks (dequantizing 16 output rows at a time into a small buffer), so the layer computes with
+the model's own weights, only read in a fifth of the bytes.
+
+Each output is one chain y = fma(w[k], x[k], y) over k in order, whatever the number of rows and
+threads: each row of a product is the one-row product (checked by `check`), so plain and speculative
+decoding on these layers give the same tokens, as on stock fp32 layers. The order of the sum is not
+MKL's, so outputs differ from stock fp32 in the last bits (relative ~1e-6), as another BLAS would.
+
+Measured on the AMD EPYC Zen 3 (AVX2, 2 threads), the 210 linears of 30 SmolLM2 layers, one pass,
+ms (fp32 stock -> blocks): see docs/ENGINE.md, "Linears on the GGUF's blocks".
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per block along the input (Q4_1 and Q8_0)
+PANEL = 16  # output rows the kernel dequantizes together
+CHECK_ROWS = (1, 2, 5, 6, 7, 13, 33)  # row counts at which each row must equal the one-row product
+TOLERANCE = 1e-5  # relative difference to F.linear on the same fp32 weights that `check` accepts
+SOURCE = Path(__file__).with_name("blocks.cpp")
+
+
+class BlockKind(str, Enum):
+    Q4_1 = "q4_1"  # fl(fl(d q) + m), q in 0..15
+    Q8_0 = "q8_0"  # fl(d q), q in -128..127
+
+    @property
+    def bits(self) -> int:
+        return 4 if self is BlockKind.Q4_1 else 8
+
+
+@dataclass
+class Blocks:
+    """A weight [N, K] as the kernel reads it: codes by panels of 16 output rows, k-major (q4_1:
+    [N/16, K, 8] bytes, low nibble row i, high nibble row 8 + i; q8_0: [N/16, K, 16] int8), scales d
+    and mins m [N/16, K/32, 16] fp32 (m empty for q8_0)."""
+
+    kind: BlockKind
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+
+def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
+    """x [B] fp32 -> the nearest fp16 value and the one on each side, as fp32."""
+    h = x.half()
+    bits = h.view(torch.int16)
+    return [h.float(), (bits - 1).view(torch.float16).float(), (bits + 1).view(torch.float16).float()]
+
+
+def _solve(v: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """v [B, 32] fp32 blocks -> (q [B, 32] int, d [B], m [B]) with every value rebuilt bit for bit,
+    or None where some block has no such codes."""
+    if kind is BlockKind.Q4_1:
+        m = v.amin(-1)
+        if not torch.equal(m.half().float(), m):
+            return None
+        span, top = v.amax(-1) - m, 15
+    else:
+        m = torch.zeros_like(v[:, 0])
+        span, top = v.abs().amax(-1), 127
+    q = d = None
+    ok = torch.zeros(v.shape[0], dtype=torch.bool)
+    for cand in _fp16_neighbours(span / top):
+        cand = torch.where(torch.isfinite(cand) & (cand > 0), cand, torch.zeros_like(cand))
+        safe = torch.where(cand > 0, cand, torch.ones_like(cand))
+        lo, hi = (0, 15) if kind is BlockKind.Q4_1 else (-128, 127)
+        qc = torch.round((v - m[:, None]) / safe[:, None]).clamp(lo, hi) * (cand > 0)[:, None]
+        back = cand[:, None] * qc  # two roundings, as the GGUF reader dequantizes
+        if kind is BlockKind.Q4_1:
+            back = back + m[:, None]
+        hit = (back == v).all(-1) & ~ok
+        q = qc if q is None else torch.where(hit[:, None], qc, q)
+        d = cand if d is None else torch.where(hit, cand, d)
+        ok |= hit
+        if bool(ok.all()):
+            return q.to(torch.int16), d, m
+    return None
+
+
+def recover(weight: torch.Tensor) -> Blocks | None:
+    """An fp32 weight [N, K] whose every value is a Q4_1 (tried first) or Q8_0 block value -> its
+    Blocks, or None (the layer stays stock)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n % PANEL or k % BLOCK:
+        return None
+    v = weight.detach().to("cpu").reshape(-1, BLOCK)
+    for kind in BlockKind:
+        solved = _solve(v, kind)
+        if solved is None:
+            continue
+        q, d, m = solved
+        p, nb = n // PANEL, k // BLOCK
+        qp = q.reshape(p, PANEL, k).transpose(1, 2)  # [P, K, 16]
+        if kind is BlockKind.Q4_1:
+            q8 = qp.to(torch.uint8)
+            codes = (q8[..., :8] | (q8[..., 8:] << 4)).contiguous()
+        else:
+            codes = qp.to(torch.int8).contiguous()
+        panel = lambda t: t.reshape(p, PANEL, nb).transpose(1, 2).contiguous()  # noqa: E731
+        return Blocks(kind, codes, panel(d), panel(m) if kind is BlockKind.Q4_1 else torch.empty(0), (n, k))
+    return None
+
+
+def quantize(weight: torch.Tensor, kind: BlockKind = BlockKind.Q4_1) -> torch.Tensor:
+    """weight [N, K] -> the fp32 values a GGUF of `kind` would load as (llama.cpp's reference
+    quantizer: min/max per block, fp16 scales). For tests and probes: a lossy change of weights."""
+    v = weight.detach().float().reshape(-1, BLOCK)
+    if kind is BlockKind.Q4_1:
+        lo, hi = v.amin(-1), v.amax(-1)
+        d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((v - m[:, None]) / safe[:, None]).clamp(0, 15) * (d > 0)[:, None]
+        out = d[:, None] * q + m[:, None]
+    else:
+        d = (v.abs().amax(-1) / 127).half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        out = d[:, None] * torch.round(v / safe[:, None]).clamp(-128, 127)
+    return out.reshape(weight.shape)
+
+
+def supported(weight: torch.Tensor | None) -> str | None:
+    """Why linears with this weight cannot run on blocks here, or None when they may (before
+    `recover` and `check`)."""
+    if weight is None:
+        return "no weights"
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return "block linears are for fp32 on CPUs"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"block linears need AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
+@functools.cache
+def kernel():
+    """The compiled blocks.cpp (built once per machine and source, ~45 s, under $MEDUSA_CACHE/kernels),
+    or None with the reason logged where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    from ..models import cache_dir
+
+    source = SOURCE.read_text()
+    tag = hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]
+    folder = cache_dir() / "kernels" / f"blocks-{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        if not (folder / f"medusa_blocks_{tag}.so").is_file():
+            log.warning("building the block-linear kernel for this machine (once, ~45 s)")
+        return cpp_extension.load_inline(
+            f"medusa_blocks_{tag}", cpp_sources=source, functions=["blocks_linear"], build_directory=str(folder),
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, no headers: the stock layers stay
+        log.warning("block linears off: the kernel did not build (%s)", str(e).splitlines()[0] if str(e) else e)
+        return None
+
+
+def block_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N]."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = kernel().blocks_linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], blocks.shape[0])
+
+
+class BlockLinear(nn.Module):
+    """An nn.Linear whose forward reads its weight's GGUF blocks; `weight` and `bias` are the
+    original module's (shared)."""
+
+    def __init__(self, linear: nn.Linear, blocks: Blocks):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.blocks = blocks  # a plain attribute: not state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block_linear(x, self.blocks, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.blocks.kind.value} blocks"
+
+
+def check(weight: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None,
+          rows: tuple[int, ...] = CHECK_ROWS) -> str | None:
+    """The kernel on `blocks` against F.linear on `weight` (within TOLERANCE) and each row of a
+    product against the one-row product (bit for bit), on random inputs -> the first failure, or None."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(rows), weight.shape[1], generator=g)
+    with torch.inference_mode():
+        alone = torch.cat([block_linear(x[i:i + 1], blocks, bias) for i in range(x.shape[0])])
+        ref = F.linear(x, weight, bias)
+        err = float((alone - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        if not err <= TOLERANCE:
+            return f"{weight.shape[0]} x {weight.shape[1]} is off by {err:.1e} (relative)"
+        for n in rows:
+            if not torch.equal(block_linear(x[:n], blocks, bias), alone[:n]):
+                return f"{weight.shape[0]} x {weight.shape[1]}: rows differ at {n} rows"
+    return None
+
+
+def block_copy(model) -> tuple[nn.Module, dict[str, int]]:
+    """The model with every nn.Linear whose weight `recover`s and passes `check` on its blocks: a new
+    module tree sharing every parameter, buffer and config object of `model` (left as it was)
+    -> (copy, layers by kind and "stock" for those left as they were). No layer recovers, or the
+    kernel does not build -> (model, {"stock": n})."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    found: dict[int, Blocks | None] = {}  # by weight: a tied LM head is the embedding's blocks
+    for _, module in linears:
+        if id(module.weight) not in found:
+            found[id(module.weight)] = recover(module.weight)
+    if not any(found.values()) or kernel() is None:
+        return model, {"stock": len(linears)}
+    for name, module in linears:
+        blocks = found[id(module.weight)]
+        why = None if blocks is None else check(module.weight, blocks, module.bias)
+        if why is not None:
+            log.info("%s left stock: %s", name, why)
+            found[id(module.weight)] = None
+    counts = Counter(b.kind.value if b else "stock" for b in (found[id(m.weight)] for _, m in linears))
+    if isinstance(model, nn.Linear):  # a layer on its own (an LM head)
+        return (model if found[id(model.weight)] is None else BlockLinear(model, found[id(model.weight)])), counts
+    configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
+               if c is not None]
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), configs)}
+    out = copy.deepcopy(model, memo)
+    for name, module in list(out.named_modules()):
+        if isinstance(module, nn.Linear) and found[id(module.weight)] is not None:
+            out.set_submodule(name, BlockLinear(module, found[id(module.weight)]))
+    return out, counts
+
+
+def blocks_or_none(weight: torch.Tensor) -> Blocks | None:
+    """weight [N, K] on blocks where that is supported, recovered and checked here, else None (a
+    weight outside a module: a drafter's shortlist of the LM head)."""
+    if supported(weight) is not None:
+        return None
+    blocks = recover(weight)
+    if blocks is None or kernel() is None or check(weight, blocks) is not None:
+        return None
+    return blocks
+
+
+def recoverable(model) -> bool:
+    """Would block_linears run this model's layers on blocks? (Cheap: its first linear layer only.)"""
+    if supported(next(model.parameters(), None)) is not None:
+        return False
+    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    return first is not None and recover(first.weight) is not None
+
+
+def block_linears(model) -> nn.Module:
+    """The model to run: block_copy(model) where it is fp32 on an AVX2 CPU, at least one layer is
+    on blocks and the kernel builds, else `model` itself."""
+    if supported(next(model.parameters(), None)) is not None:
+        return model
+    out, counts = block_copy(model)
+    if out is not model:
+        log.info("linear layers on GGUF blocks: %s", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return out
+
+
+if __name__ == "__main__":  # `python -m medusa_decoding.verifiers.blocks`: build the kernel ahead of time
+    logging.basicConfig(level=logging.INFO)
+    print("block-linear kernel:", "built" if kernel() is not None else "not available")

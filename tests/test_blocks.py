@@ -1,0 +1,121 @@
+"""Block linears (verifiers/blocks.py): fp32 weights that are GGUF Q4_1 / Q8_0 block values are found
+back bit for bit, the kernel's rows are one-row products, and decoding on them stays lossless."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa_decoding.config import NgramConfig
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.models import use_fast_attention
+from medusa_decoding.verifiers import blocks
+from medusa_decoding.verifiers.compiled import compiles_by_default
+from medusa_decoding.verifiers.transformers import EagerBackend
+
+from conftest import byte_tokenizer, random_heads, tiny_llama
+
+needs_kernel = pytest.mark.skipif(blocks.supported(torch.zeros(1)) is not None,
+                                  reason=f"block linears: {blocks.supported(torch.zeros(1))}")
+
+
+def gguf_like_llama(seed: int = 1):
+    """A tiny Llama whose linears hold Q4_1 values and whose LM head (304 rows) Q8_0 values, as a model
+    loaded from such a GGUF does."""
+    base = tiny_llama(max_positions=512, seed=seed, vocab=304)
+    with torch.no_grad():
+        for name, m in base.named_modules():
+            if isinstance(m, nn.Linear):
+                kind = blocks.BlockKind.Q8_0 if name == "lm_head" else blocks.BlockKind.Q4_1
+                m.weight.copy_(blocks.quantize(m.weight, kind))
+    use_fast_attention(base)
+    return base
+
+
+@pytest.mark.parametrize("kind", list(blocks.BlockKind))
+def test_recover_finds_the_blocks_and_refuses_a_weight_one_ulp_off(kind):
+    w = blocks.quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(0)), kind)
+    found = blocks.recover(w)
+    assert found is not None and found.kind is kind and found.shape == (48, 96)
+    assert found.nbytes < w.numel() * 4 / 3
+    off = w.clone()
+    off[17, 40] = torch.nextafter(off[17, 40], torch.tensor(float("inf")))
+    assert blocks.recover(off) is None
+    assert blocks.recover(torch.randn(48, 96)) is None  # plain fp32 weights stay stock
+    assert blocks.recover(w[:40]) is None  # rows not a multiple of the panel
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(blocks.BlockKind))
+def test_the_kernel_computes_with_exactly_the_recovered_weights_and_rows_alone(kind):
+    g = torch.Generator().manual_seed(1)
+    w = blocks.quantize(torch.randn(64, 160, generator=g), kind)
+    found = blocks.recover(w)
+    assert torch.equal(blocks.block_linear(torch.eye(160), found, None).T, w)  # each weight, bit for bit
+    x = torch.randn(40, 160, generator=g)
+    alone = torch.cat([blocks.block_linear(x[i:i + 1], found, None) for i in range(40)])
+    for n in (2, 5, 6, 7, 8, 13, 40):  # every grouping of rows the kernel makes
+        assert torch.equal(blocks.block_linear(x[:n], found, None), alone[:n])
+    ref = F.linear(x, w)
+    assert float((alone - ref).abs().max() / ref.abs().max()) < blocks.TOLERANCE
+    assert blocks.check(w, found) is None
+
+
+@needs_kernel
+def test_the_check_finds_blocks_that_are_not_the_weight():
+    w = blocks.quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
+    found = blocks.recover(w)
+    found.codes[0, 3, 0] ^= 0x01  # one code of one weight
+    assert "off by" in blocks.check(w, found)
+
+
+@needs_kernel
+def test_the_step_runs_on_blocks_and_gives_the_stock_logits_closely():
+    base = gguf_like_llama()
+    backend = EagerBackend(base)
+    assert backend.packed and backend.linears == "blocks" and backend.stats()["backend"] == "eager-blocks"
+    on_blocks = [m for m in backend.model.modules() if isinstance(m, blocks.BlockLinear)]
+    assert len(on_blocks) == sum(isinstance(m, nn.Linear) for m in base.modules())
+    assert {m.blocks.kind for m in on_blocks} == set(blocks.BlockKind)
+    assert not any(isinstance(m, blocks.BlockLinear) for m in base.modules())  # the base keeps its layers
+    assert {id(p) for p in backend.model.parameters()} == {id(p) for p in base.parameters()}
+    ids = torch.randint(3, 200, (2, 37), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a, b = backend.model(ids).logits, base(ids).logits
+    assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    assert not compiles_by_default(base)  # eager on blocks: compile mode auto does not compile it
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
+    """fp32, random drafters (Medusa heads, hydra on a shortlist of the Q8_0 LM head), n-gram branch:
+    token-identical to plain decoding on the same blocks, and the blocks really ran."""
+    from test_methods import random_drafter
+
+    base = gguf_like_llama()
+    weights = random_heads(base, scale=3.0) if kind == "medusa" else random_drafter(kind, base)
+    backend, tok = EagerBackend(base), byte_tokenizer()
+    calls = []
+    for m in backend.model.modules():
+        if isinstance(m, blocks.BlockLinear):
+            m.register_forward_hook(lambda *_: calls.append(1))
+    plain = MedusaModel(base, tok, backend=backend)
+    spec = MedusaModel(base, tok, heads=weights, ngram=NgramConfig(length=4), tree_budget=6, backend=backend)
+    if kind == "hydra":
+        assert spec.drafter.short.blocks is not None
+    for prompt in ("Hello there, ", "abcabcabc "):
+        want = plain.generate(prompt, chat=False, max_new_tokens=60, ignore_eos=True)
+        got = spec.generate(prompt, chat=False, max_new_tokens=60, ignore_eos=True)
+        assert got.token_ids == want.token_ids and max(got.stats.accepted_lengths) > 1
+    assert calls
+
+
+def test_models_whose_weights_are_not_blocks_stay_stock(monkeypatch):
+    base = tiny_llama()
+    assert not blocks.recoverable(base) and not EagerBackend(base).packed
+    assert "fp32" in blocks.supported(base.lm_head.weight.to(torch.bfloat16))
+    gguf = gguf_like_llama()
+    assert blocks.recoverable(gguf)
+    monkeypatch.setattr(blocks, "kernel", lambda: None)  # no compiler here: stock, not a crash
+    assert blocks.block_linears(gguf) is gguf and not EagerBackend(gguf).packed
