@@ -127,8 +127,8 @@ def recover(weight: torch.Tensor) -> Blocks | None:
             codes = (q8[..., :8] | (q8[..., 8:] << 4)).contiguous()
         else:
             codes = qp.to(torch.int8).contiguous()
-        panel = lambda t: t.reshape(p, PANEL, nb).transpose(1, 2).contiguous()  # noqa: E731
-        return Blocks(kind, codes, panel(d), panel(m) if kind is BlockKind.Q4_1 else torch.empty(0), (n, k))
+        d, m = (t.reshape(p, PANEL, nb).transpose(1, 2).contiguous() for t in (d, m))  # [P, K/32, 16]
+        return Blocks(kind, codes, d, m if kind is BlockKind.Q4_1 else torch.empty(0), (n, k))
     return None
 
 
