@@ -10,7 +10,7 @@ from medusa_decoding.config import NgramConfig
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import use_fast_attention
 from medusa_decoding.verifiers import blocks
-from medusa_decoding.verifiers.compiled import compiles_by_default
+from medusa_decoding.verifiers.compiled import CompiledBackend, compiles_by_default
 from medusa_decoding.verifiers.transformers import EagerBackend
 
 from conftest import byte_tokenizer, random_heads, tiny_llama
@@ -48,6 +48,7 @@ def test_recover_finds_the_blocks_and_refuses_a_weight_one_ulp_off(kind):
 @needs_kernel
 @pytest.mark.parametrize("kind", list(blocks.BlockKind))
 def test_the_kernel_computes_with_exactly_the_recovered_weights_and_rows_alone(kind):
+    assert blocks.kernel() is not None  # built, and its operator registered
     g = torch.Generator().manual_seed(1)
     w = blocks.quantize(torch.randn(64, 160, generator=g), kind)
     found = blocks.recover(w)
@@ -63,6 +64,7 @@ def test_the_kernel_computes_with_exactly_the_recovered_weights_and_rows_alone(k
 
 @needs_kernel
 def test_the_check_finds_blocks_that_are_not_the_weight():
+    assert blocks.kernel() is not None
     w = blocks.quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
     found = blocks.recover(w)
     found.codes[0, 3, 0] ^= 0x01  # one code of one weight
@@ -83,7 +85,30 @@ def test_the_step_runs_on_blocks_and_gives_the_stock_logits_closely():
     with torch.inference_mode():
         a, b = backend.model(ids).logits, base(ids).logits
     assert float((a - b).abs().max() / b.abs().max()) < 1e-5
-    assert not compiles_by_default(base)  # eager on blocks: compile mode auto does not compile it
+
+
+@needs_kernel
+def test_saved_graphs_on_blocks_give_the_eager_tokens_and_load_again(tmp_path):
+    """fp32 on blocks compiles (mode auto does it by default): the graphs call the kernel as an
+    operator, give the eager blocks step's tokens (plain and speculative), and a new backend
+    loads them from disk instead of compiling."""
+    base = gguf_like_llama()
+    assert compiles_by_default(base)
+    tok, heads = byte_tokenizer(), random_heads(base, scale=3.0)
+    eager = EagerBackend(base)
+    backend = CompiledBackend(base, graphs=tmp_path)
+    assert backend.linears == "blocks" and any(isinstance(m, blocks.BlockLinear) for m in backend.model.modules())
+    runs = {}
+    for name, be in (("eager", eager), ("compiled", backend)):
+        for spec in (False, True):
+            model = MedusaModel(base, tok, heads=heads if spec else None, tree_budget=4, backend=be)
+            runs[name, spec] = model.generate("Hello there, ", chat=False, max_new_tokens=24, ignore_eos=True).token_ids
+    assert runs["compiled", False] == runs["eager", False] and runs["compiled", True] == runs["eager", True]
+    assert backend.loaded == 0 and len(backend.shapes) > 0 and any(tmp_path.rglob("*.pt2"))
+    again = CompiledBackend(base, graphs=tmp_path)
+    model = MedusaModel(base, tok, backend=again)
+    assert model.generate("Hello there, ", chat=False, max_new_tokens=24, ignore_eos=True).token_ids == runs["eager", False]
+    assert again.loaded > 0
 
 
 @needs_kernel

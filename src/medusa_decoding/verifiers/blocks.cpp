@@ -92,3 +92,8 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   });
   return y;
 }
+
+// A dispatcher operator, so that torch.compile can call the kernel inside a graph (blocks.py registers
+// its shape function).
+TORCH_LIBRARY(medusa_blocks, m) { m.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor"); }
+TORCH_LIBRARY_IMPL(medusa_blocks, CPU, m) { m.impl("linear", &blocks_linear); }

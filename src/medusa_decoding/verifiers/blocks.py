@@ -161,33 +161,45 @@ def supported(weight: torch.Tensor | None) -> str | None:
     return None
 
 
+def source_tag() -> str:
+    """What the built kernel depends on: its source and torch's version."""
+    return hashlib.sha256((SOURCE.read_text() + torch.__version__).encode()).hexdigest()[:12]
+
+
 @functools.cache
 def kernel():
     """The compiled blocks.cpp (built once per machine and source, ~45 s, under $MEDUSA_CACHE/kernels),
-    or None with the reason logged where it cannot be built."""
+    registered as the operator torch.ops.medusa_blocks.linear; or None, with the reason logged,
+    where it cannot be built."""
     from torch.utils import cpp_extension
 
     from ..models import cache_dir
 
-    source = SOURCE.read_text()
-    tag = hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]
+    source, tag = SOURCE.read_text(), source_tag()
     folder = cache_dir() / "kernels" / f"blocks-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
         if not (folder / f"medusa_blocks_{tag}.so").is_file():
             log.warning("building the block-linear kernel for this machine (once, ~45 s)")
-        return cpp_extension.load_inline(
+        module = cpp_extension.load_inline(
             f"medusa_blocks_{tag}", cpp_sources=source, functions=["blocks_linear"], build_directory=str(folder),
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: the stock layers stay
         log.warning("block linears off: the kernel did not build (%s)", str(e).splitlines()[0] if str(e) else e)
         return None
+    torch.library.register_fake("medusa_blocks::linear")(_linear_shape)
+    return module
+
+
+def _linear_shape(x, codes, d, m, bits):
+    """The operator's output for torch.compile's tracing: x [M, K] -> [M, 16 P]."""
+    return x.new_empty(x.shape[0], codes.shape[0] * PANEL)
 
 
 def block_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N]."""
+    """x [..., K] fp32 -> [..., N], through the operator `kernel()` registered."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = kernel().blocks_linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits)
+    y = torch.ops.medusa_blocks.linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], blocks.shape[0])
@@ -199,6 +211,8 @@ class BlockLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, blocks: Blocks):
         super().__init__()
+        if kernel() is None:
+            raise RuntimeError("block linears need the kernel, which did not build here")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.blocks = blocks  # a plain attribute: not state

@@ -73,9 +73,19 @@ def graph_key(model) -> dict:
     device = next(model.parameters()).device
     processor, isa = processor_info(device)
     return {"config": model.config.to_json_string(use_diff=False), "dtype": str(model.dtype), "device": device.type,
-            "processor": processor, "isa": isa, "threads": torch.get_num_threads(),
+            "processor": processor, "isa": isa, "threads": torch.get_num_threads(), "linears": linears(model),
             "attention": model.config._attn_implementation, "torch": torch.__version__,
             "transformers": transformers.__version__, "version": GRAPH_VERSION}
+
+
+def linears(model) -> str:
+    """The linear layers a compiled step of this model calls: "blocks-<kernel tag>" where an fp32 model
+    on CPU runs on its GGUF blocks (blocks.py, the kernel as an operator in the graph), else "stock"."""
+    return f"blocks-{blocks.source_tag()}" if on_blocks(model) else "stock"
+
+
+def on_blocks(model) -> bool:
+    return next(model.parameters()).dtype == torch.float32 and blocks.recoverable(model)
 
 
 def compiles_by_default(model) -> bool:
@@ -84,11 +94,11 @@ def compiles_by_default(model) -> bool:
     linears (bf16/fp16 on CPU, packed.py), which made it as fast as the saved graph: on the AMD
     EPYC with AVX-512 bf16 (scripts/profile_step.py --paths stock,eager,saved, prefix 200, 2 threads)
     1 / 8 / 16 nodes took 49.0 / 53.2 / 62.2 ms packed, 47.6 / 53.0 / 61.9 ms saved, 67.5 / 74.3 /
-    87.1 ms stock, and a saved graph costs 40-60 s to build a shape. Nor where an fp32 step runs on
-    the GGUF's blocks (blocks.py): on the AMD EPYC Zen 3 (AVX2) 42.7 ms a 1-node step, against 84.8
-    stock and ~70 for a saved graph of the stock layers."""
+    87.1 ms stock, and a saved graph costs 40-60 s to build a shape. An fp32 step on the GGUF's
+    blocks (blocks.py) compiles: its graphs call the kernel as an operator and fuse the ~1,000 small
+    operators around it (AMD EPYC Zen 3, AVX2: 31.0 vs 52.3 ms a 1-node step in one probe)."""
     return (full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
-            and packed.supported(next(model.parameters())) is not None and not blocks.recoverable(model))
+            and packed.supported(next(model.parameters())) is not None)
 
 
 def graph_folder(model, graphs: Path | None = None) -> Path:
@@ -161,7 +171,8 @@ class CompiledBackend(EagerBackend):
         `on`); else saved ones. graphs: the folder of saved graphs (default $MEDUSA_CACHE/compiled).
         mode: `on` (compile a missing shape, waiting) or `auto` (run it eager, a background
         process builds it)."""
-        super().__init__(model, packed=False)  # its graphs hold the stock layers (freezing packs them itself)
+        # its graphs hold the stock layers (freezing packs them itself), or in fp32 the GGUF's blocks
+        super().__init__(model, packed=on_blocks(model))
         if not self.slots:
             raise MedusaError("--compile needs a model with full attention in every layer (no sliding window)")
         self.mode = CompileMode.parse(mode)
