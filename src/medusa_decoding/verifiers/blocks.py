@@ -20,10 +20,8 @@ ms (fp32 stock -> blocks): see docs/ENGINE.md, "Linears on the GGUF's blocks".
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
-import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .packed import shared_copy
 
 log = logging.getLogger(__name__)
 
@@ -261,16 +261,10 @@ def block_copy(model) -> tuple[nn.Module, dict[str, int]]:
             log.info("%s left stock: %s", name, why)
             found[id(module.weight)] = None
     counts = Counter(b.kind.value if b else "stock" for b in (found[id(m.weight)] for _, m in linears))
-    if isinstance(model, nn.Linear):  # a layer on its own (an LM head)
-        return (model if found[id(model.weight)] is None else BlockLinear(model, found[id(model.weight)])), counts
-    configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
-               if c is not None]
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), configs)}
-    out = copy.deepcopy(model, memo)
-    for name, module in list(out.named_modules()):
-        if isinstance(module, nn.Linear) and found[id(module.weight)] is not None:
-            out.set_submodule(name, BlockLinear(module, found[id(module.weight)]))
-    return out, counts
+    def replace(linear: nn.Linear) -> BlockLinear | None:
+        blocks = found[id(linear.weight)]
+        return None if blocks is None else BlockLinear(linear, blocks)
+    return shared_copy(model, replace), counts
 
 
 def blocks_or_none(weight: torch.Tensor) -> Blocks | None:

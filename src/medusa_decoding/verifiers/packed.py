@@ -138,16 +138,26 @@ def packed_copy(model) -> nn.Module:
     """The model with its nn.Linear modules on packed weights: a new module tree sharing every
     parameter, buffer and config object of `model` (so that an attention implementation set on
     the model holds for the copy), which is left as it was."""
+    return shared_copy(model, PackedLinear)
+
+
+def shared_copy(model, replace) -> nn.Module:
+    """A new module tree sharing every parameter, buffer and config object of `model`, with each
+    nn.Linear replaced by replace(linear), or kept where that returns None (`model` itself, a lone
+    nn.Linear included, is left as it was)."""
     if isinstance(model, nn.Linear):  # a layer on its own (an LM head)
-        return PackedLinear(model)
+        new = replace(model)
+        return model if new is None else new
     configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
                if c is not None]
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), configs)}
-    packed = copy.deepcopy(model, memo)
-    for name, module in list(packed.named_modules()):
+    out = copy.deepcopy(model, memo)
+    for name, module in list(out.named_modules()):
         if isinstance(module, nn.Linear):
-            packed.set_submodule(name, PackedLinear(module))
-    return packed
+            new = replace(module)
+            if new is not None:
+                out.set_submodule(name, new)
+    return out
 
 
 def pack_linears(model) -> nn.Module:
