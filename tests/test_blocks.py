@@ -72,6 +72,27 @@ def test_the_check_finds_blocks_that_are_not_the_weight():
 
 
 @needs_kernel
+def test_a_lossy_copy_puts_weights_that_are_not_blocks_on_q8_0_blocks_of_their_own():
+    """A drafter's fp32 layers (block_copy(lossy=Q8_0)): quantized, the GGUF-valued one kept exact."""
+    g = torch.Generator().manual_seed(3)
+    net = nn.Sequential(nn.Linear(64, 32), nn.SiLU(), nn.Linear(32, 48))
+    with torch.no_grad():
+        net[0].weight.copy_(blocks.quantize(net[0].weight))  # Q4_1 values already: recovered as they are
+        before = net[2].weight.clone()
+    assert blocks.block_copy(net)[1] == {"q4_1": 1, "stock": 1}
+    copy, counts = blocks.block_copy(net, lossy=blocks.BlockKind.Q8_0)
+    assert counts == {"q4_1": 1, "q8_0 of fp32": 1}
+    assert all(isinstance(copy[i], blocks.BlockLinear) for i in (0, 2))
+    assert torch.equal(net[2].weight, before) and isinstance(net[2], nn.Linear)  # the module is left as it was
+    x = torch.randn(5, 64, generator=g)
+    with torch.inference_mode():
+        want = F.linear(F.silu(net[0](x)), blocks.quantize(before, blocks.BlockKind.Q8_0), net[2].bias)
+        got = copy(x)
+    assert float((got - want).abs().max() / want.abs().max()) < blocks.TOLERANCE
+    assert not torch.allclose(got, net(x), rtol=0, atol=1e-7)  # the weights did change
+
+
+@needs_kernel
 def test_the_step_runs_on_blocks_and_gives_the_stock_logits_closely():
     base = gguf_like_llama()
     backend = EagerBackend(base)
@@ -89,11 +110,11 @@ def test_the_step_runs_on_blocks_and_gives_the_stock_logits_closely():
 
 @needs_kernel
 def test_saved_graphs_on_blocks_give_the_eager_tokens_and_load_again(tmp_path):
-    """fp32 on blocks compiles (`--compile`; mode auto stays eager there): the graphs call the kernel
+    """fp32 on blocks compiles (`--compile`, and in compile mode auto): the graphs call the kernel
     as an operator, give the eager blocks step's tokens (plain and speculative), and a new backend
     loads them from disk instead of compiling."""
     base = gguf_like_llama()
-    assert not compiles_by_default(base)
+    assert compiles_by_default(base)
     tok, heads = byte_tokenizer(), random_heads(base, scale=3.0)
     eager = EagerBackend(base)
     backend = CompiledBackend(base, graphs=tmp_path)
@@ -110,6 +131,33 @@ def test_saved_graphs_on_blocks_give_the_eager_tokens_and_load_again(tmp_path):
     again_ids = model.generate("Hello there, ", chat=False, max_new_tokens=24, ignore_eos=True).token_ids
     assert again_ids == runs["eager", False]
     assert again.loaded > 0
+
+
+@needs_kernel
+def test_compile_auto_builds_graphs_that_run_on_blocks_in_the_background(tmp_path):
+    """Mode auto on a GGUF-valued fp32 model: the step runs eager on blocks while the background
+    builder compiles it, and the graph it saves calls the block kernel (it once compiled the stock
+    layers under the blocks key) and gives the eager tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = tmp_path / "model"
+    gguf_like_llama(seed=4).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    model = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+    backend = model.backend
+    assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto" and backend.linears == "blocks"
+    backend.builder_idle_s = 0.0  # the builder exits once the list is done
+    want = model.generate("Hello there, ", chat=False, max_new_tokens=10, ignore_eos=True).token_ids
+    assert backend.stats()["eager_steps"] >= 9 and backend.builder is not None
+    assert backend.builder.wait(timeout=300) == 0, (backend.folder / "builder.log").read_text()[-2000:]
+    backend.missing = dict.fromkeys(backend.missing, 0.0)  # as if RECHECK_S had passed
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = model.generate("Hello there, ", chat=False, max_new_tokens=10, ignore_eos=True).token_ids
+    assert got == want and backend.loaded == 1 and backend.stats()["graphs"] == 1
+    names = [e.name for e in prof.events()]
+    on_blocks = sum(isinstance(m, blocks.BlockLinear) for m in backend.model.modules())
+    assert names.count("medusa_blocks::linear") >= on_blocks * 9  # every linear of every decode step
+    assert "aten::mm" not in names and "aten::addmm" not in names
 
 
 @needs_kernel
@@ -130,6 +178,8 @@ def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
     spec = MedusaModel(base, tok, heads=weights, ngram=NgramConfig(length=4), tree_budget=6, backend=backend)
     if kind == "hydra":
         assert spec.drafter.short.blocks is not None
+    drafting = [m for m in spec.drafter.net.modules() if isinstance(m, (nn.Linear, blocks.BlockLinear))]
+    assert drafting and all(isinstance(m, blocks.BlockLinear) for m in drafting)  # the drafter's own on Q8_0
     for prompt in ("Hello there, ", "abcabcabc "):
         want = plain.generate(prompt, chat=False, max_new_tokens=60, ignore_eos=True)
         got = spec.generate(prompt, chat=False, max_new_tokens=60, ignore_eos=True)

@@ -53,10 +53,14 @@ def fingerprint(model) -> dict:
 
 
 def drafter_key(drafter) -> str:
-    """A drafter's cost depends on its architecture and drafting options, not on its weights."""
+    """A drafter's cost depends on its architecture, drafting options and the form its linears run
+    in (stock, packed, blocks), not on its weights."""
     config = getattr(drafter.weights, "config", None)
     described = asdict(config) if config is not None and hasattr(config, "__dataclass_fields__") else {}
-    described.update(kind=drafter.kind, depth=getattr(drafter, "depth", None), width=getattr(drafter, "width", None))
+    net = getattr(drafter, "net", None)
+    linears = sorted({type(m).__name__ for m in net.modules() if hasattr(m, "in_features")}) if net is not None else []
+    described.update(kind=drafter.kind, depth=getattr(drafter, "depth", None), width=getattr(drafter, "width", None),
+                     linears=linears)
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

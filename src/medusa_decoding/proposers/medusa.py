@@ -17,7 +17,7 @@ from ..config import DEFAULT_TREE, DYNAMIC_BUDGET, DYNAMIC_DEPTH, DYNAMIC_WIDTH,
 from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
-from ..verifiers.transformers import lean_linears
+from ..verifiers.transformers import draft_linears, lean_linears
 from . import Drafter, DrafterSpec, Proposal, Proposer, register
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads (medusa calibrate)
@@ -53,7 +53,7 @@ class MedusaDrafter(Drafter):
         self.lm_head = lean_linears(base_model.get_output_embeddings())  # prepacked or on blocks where exact here
         weight = self.lm_head.weight
         self.weights = heads.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
-        self.net = lean_linears(self.weights)  # what drafting runs; `weights` stays stock
+        self.net = draft_linears(self.weights)  # what drafting runs; `weights` stays stock
         source = getattr(heads, "source", None)  # the checkpoint folder, when loaded from one
         self.accuracy = None  # [K][R] from the heads' calibration: head k's rank-r hit rate
         if source is not None and (Path(source) / TREE_NAME).is_file():

@@ -207,7 +207,7 @@ def block_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> 
 
 class BlockLinear(nn.Module):
     """An nn.Linear whose forward reads its weight's GGUF blocks; `weight` and `bias` are the
-    original module's (shared)."""
+    original module's (shared; for a lossy block_copy, the weight before it was quantized)."""
 
     def __init__(self, linear: nn.Linear, blocks: Blocks):
         super().__init__()
@@ -242,25 +242,36 @@ def check(weight: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None
     return None
 
 
-def block_copy(model) -> tuple[nn.Module, dict[str, int]]:
+def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[str, int]]:
     """The model with every nn.Linear whose weight `recover`s and passes `check` on its blocks: a new
     module tree sharing every parameter, buffer and config object of `model` (left as it was)
     -> (copy, layers by kind and "stock" for those left as they were). No layer recovers, or the
-    kernel does not build -> (model, {"stock": n})."""
+    kernel does not build -> (model, {"stock": n}).
+
+    lossy: a weight that does not recover is quantized to this kind instead (counted as
+    "<kind> of fp32"): a change of the weights, only for a drafter, whose output the base verifies."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     found: dict[int, Blocks | None] = {}  # by weight: a tied LM head is the embedding's blocks
+    weights: dict[int, torch.Tensor] = {}  # by weight: the values its blocks hold
     for _, module in linears:
-        if id(module.weight) not in found:
-            found[id(module.weight)] = recover(module.weight)
+        w = module.weight
+        if id(w) not in found:
+            found[id(w)], weights[id(w)] = recover(w), w
+            if found[id(w)] is None and lossy is not None:
+                weights[id(w)] = quantize(w, lossy)
+                found[id(w)] = recover(weights[id(w)])
     if not any(found.values()) or kernel() is None:
         return model, {"stock": len(linears)}
     for name, module in linears:
         blocks = found[id(module.weight)]
-        why = None if blocks is None else check(module.weight, blocks, module.bias)
+        why = None if blocks is None else check(weights[id(module.weight)], blocks, module.bias)
         if why is not None:
             log.info("%s left stock: %s", name, why)
             found[id(module.weight)] = None
-    counts = Counter(b.kind.value if b else "stock" for b in (found[id(m.weight)] for _, m in linears))
+    def label(w: torch.Tensor) -> str:
+        blocks = found[id(w)]
+        return "stock" if blocks is None else blocks.kind.value + (" of fp32" if weights[id(w)] is not w else "")
+    counts = Counter(label(m.weight) for _, m in linears)
     def replace(linear: nn.Linear) -> BlockLinear | None:
         blocks = found[id(linear.weight)]
         return None if blocks is None else BlockLinear(linear, blocks)
@@ -286,14 +297,15 @@ def recoverable(model) -> bool:
     return first is not None and recover(first.weight) is not None
 
 
-def block_linears(model) -> nn.Module:
-    """The model to run: block_copy(model) where it is fp32 on an AVX2 CPU, at least one layer is
-    on blocks and the kernel builds, else `model` itself."""
+def block_linears(model, lossy: BlockKind | None = None) -> nn.Module:
+    """The model to run: block_copy(model, lossy) where it is fp32 on an AVX2 CPU, at least one layer
+    is on blocks and the kernel builds, else `model` itself."""
     if supported(next(model.parameters(), None)) is not None:
         return model
-    out, counts = block_copy(model)
+    out, counts = block_copy(model, lossy)
     if out is not model:
-        log.info("linear layers on GGUF blocks: %s", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+        what = "linear layers on GGUF blocks" if lossy is None else "drafter linears on blocks"
+        log.info("%s: %s", what, ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     return out
 
 

@@ -94,13 +94,11 @@ def compiles_by_default(model) -> bool:
     linears (bf16/fp16 on CPU, packed.py), which made it as fast as the saved graph: on the AMD
     EPYC with AVX-512 bf16 (scripts/profile_step.py --paths stock,eager,saved, prefix 200, 2 threads)
     1 / 8 / 16 nodes took 49.0 / 53.2 / 62.2 ms packed, 47.6 / 53.0 / 61.9 ms saved, 67.5 / 74.3 /
-    87.1 ms stock, and a saved graph costs 40-60 s to build a shape. Nor an fp32 step on the GGUF's
-    blocks (blocks.py): its saved graphs (`--compile`) make plain decoding 1.73x faster (AMD EPYC
-    Zen 3, AVX2, 13 Spec-Bench prompts), but the default method ran 0.58x its eager speed in that
-    run, on graphs the builder had compiled from the stock layers (fixed since, not measured
-    again), so auto stays eager there."""
+    87.1 ms stock, and a saved graph costs 40-60 s to build a shape. An fp32 step on the GGUF's
+    blocks (blocks.py) does compile: on the AMD EPYC Zen 3 (AVX2, 13 Spec-Bench prompts) its saved
+    graphs ran plain decoding 1.56x and the default method 1.30x their eager speed."""
     return (full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
-            and packed.supported(next(model.parameters())) is not None and not on_blocks(model))
+            and packed.supported(next(model.parameters())) is not None)
 
 
 def graph_folder(model, graphs: Path | None = None) -> Path:
