@@ -161,7 +161,8 @@ def test_oracle_drafters_accept_long_branches_and_stay_exact(model, kind):
 
 def test_eagle_tree_drafting_equals_a_plain_recompute(model):
     """Each drafted node's score, computed with the drafter's cache and the tree mask, equals
-    the sum of log-probs from re-running the drafter causally on prefix + branch, no cache."""
+    the sum of log-probs from re-running the drafter causally on prefix + branch, no cache (the
+    same net: in fp32 on CPU drafting runs on a Q8_0 copy of the weights, draft_linears)."""
     drafter = make("eagle", model, seed=3, scale=1.0)
     prompt = torch.tensor(prompts(1, seed=4)[0] + [5, 6, 7])
     with torch.no_grad():
@@ -181,7 +182,7 @@ def test_eagle_tree_drafting_equals_a_plain_recompute(model):
 
         def last_output(f, t):
             pos = torch.arange(len(t))[None]
-            return drafter(f[None], model.get_input_embeddings()(t)[None], pos, None)[0, -1]
+            return spec.net(f[None], model.get_input_embeddings()(t)[None], pos, None)[0, -1]
 
         for i in range(1, len(draft.tokens)):
             branch, j = [], i
