@@ -187,6 +187,26 @@ def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
     assert calls
 
 
+@needs_kernel
+def test_auto_dtype_keeps_fp32_on_blocks_where_the_cpu_has_avx512_bf16_but_no_amx(tmp_path, monkeypatch):
+    """On an AVX-512 BF16 CPU without AMX `auto` loads an fp32 checkpoint in fp32 and keeps it there
+    when its linears run on blocks (a GGUF's), else in bf16 as before; with AMX, bf16."""
+    from medusa_decoding import models
+
+    for name, base in (("gguf", gguf_like_llama()), ("random", tiny_llama())):
+        base.save_pretrained(tmp_path / name)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+    avx512 = ["avx2", "avx512f", "avx512_bf16"]
+    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX-512 BF16 CPU", avx512))
+    assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.float32
+    assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.bfloat16
+    assert models.load_base(str(tmp_path / "gguf"), dtype="bfloat16", device="cpu")[0].dtype == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_info", lambda: ("AMX CPU", [*avx512, "amx_bf16"]))
+    assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
+    assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.float32
+
+
 def test_models_whose_weights_are_not_blocks_stay_stock(monkeypatch):
     base = tiny_llama()
     assert not blocks.recoverable(base) and not EagerBackend(base).packed
