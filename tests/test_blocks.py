@@ -55,11 +55,25 @@ def test_the_kernel_computes_with_exactly_the_recovered_weights_and_rows_alone(k
     assert torch.equal(blocks.block_linear(torch.eye(160), found, None).T, w)  # each weight, bit for bit
     x = torch.randn(40, 160, generator=g)
     alone = torch.cat([blocks.block_linear(x[i:i + 1], found, None) for i in range(40)])
-    for n in (2, 5, 6, 7, 8, 13, 40):  # every grouping of rows the kernel makes
+    for n in (2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 40):  # every path and grouping of rows the kernel makes
         assert torch.equal(blocks.block_linear(x[:n], found, None), alone[:n])
     ref = F.linear(x, w)
     assert float((alone - ref).abs().max() / ref.abs().max()) < blocks.TOLERANCE
     assert blocks.check(w, found) is None
+
+
+@pytest.mark.skipif(blocks.isa() != "AVX512", reason="the AVX-512 path needs an AVX-512 CPU")
+@pytest.mark.parametrize("kind", list(blocks.BlockKind))
+def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
+    avx2 = blocks.build("AVX2", op=False)  # a second build, without the operator
+    assert blocks.kernel() is not None and avx2 is not None
+    g = torch.Generator().manual_seed(2)
+    w = blocks.quantize(torch.randn(80, 96, generator=g), kind)  # 5 panels: 4 side by side and one alone
+    found = blocks.recover(w)
+    x = torch.randn(20, 96, generator=g)
+    for n in range(1, 21):  # both paths: dequantized in registers up to 8 rows, through a buffer above
+        ours = blocks.block_linear(x[:n], found, None)
+        assert torch.equal(ours, avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits)), n
 
 
 @needs_kernel

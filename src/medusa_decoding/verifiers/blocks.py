@@ -6,8 +6,10 @@ codes q and fp16 block scales d and mins m (blocks of 32 along the input), a Q8_
 without bf16 hardware (AVX2 only) that is the whole step: the built-in SmolLM2's linears read 540 MB
 of fp32 a token. `recover` finds the codes and scales back from the fp32 values, and keeps a layer
 only where fl(fl(d q) + m) gives every fp32 weight back bit for bit; `blocks.cpp` multiplies on
-the blocks (dequantizing 16 output rows at a time into a small buffer), so the layer computes with
-the model's own weights, only read in a fifth of the bytes.
+the blocks (dequantizing 16 output rows at a time into a small buffer; on an AVX-512 CPU, up to 8
+input rows take the weights straight from registers, 4 panels side by side), so the layer computes
+with the model's own weights, only read in a fifth of the bytes. The AVX2 and AVX-512 builds give
+the same bits (`tests/test_blocks.py` builds both where it can).
 
 Each output is one chain y = fma(w[k], x[k], y) over k in order, whatever the number of rows and
 threads: each row of a product is the one-row product (checked by `check`), so plain and speculative
@@ -15,7 +17,8 @@ decoding on these layers give the same tokens, as on stock fp32 layers. The orde
 MKL's, so outputs differ from stock fp32 in the last bits (relative ~1e-6), as another BLAS would.
 
 Measured on the AMD EPYC Zen 3 (AVX2, 2 threads), the 210 linears of 30 SmolLM2 layers, one pass,
-ms (fp32 stock -> blocks): see docs/ENGINE.md, "Linears on the GGUF's blocks".
+ms (fp32 stock -> blocks), and the AVX-512 path on the Zen 4: see docs/ENGINE.md, "Linears on the
+GGUF's blocks".
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block along the input (Q4_1 and Q8_0)
 PANEL = 16  # output rows the kernel dequantizes together
-CHECK_ROWS = (1, 2, 5, 6, 7, 13, 33)  # row counts at which each row must equal the one-row product
+CHECK_ROWS = (1, 2, 3, 5, 8, 9, 13, 33)  # row counts at which each row must equal the one-row product
 TOLERANCE = 1e-5  # relative difference to F.linear on the same fp32 weights that `check` accepts
 SOURCE = Path(__file__).with_name("blocks.cpp")
 
@@ -161,33 +164,51 @@ def supported(weight: torch.Tensor | None) -> str | None:
     return None
 
 
-def source_tag() -> str:
-    """What the built kernel depends on: its source and torch's version."""
-    return hashlib.sha256((SOURCE.read_text() + torch.__version__).encode()).hexdigest()[:12]
+ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx2", "-mfma", "-mavx512f"]}  # blocks.cpp's two paths
+
+
+def isa() -> str:
+    """The kernel's instruction set on this CPU: AVX512 where torch finds it (and the OS enables it), else AVX2."""
+    return "AVX512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "AVX2"
+
+
+def source_tag(target: str | None = None) -> str:
+    """What the built kernel depends on: its source, torch's version and the instruction set."""
+    return hashlib.sha256((SOURCE.read_text() + torch.__version__ + (target or isa())).encode()).hexdigest()[:12]
+
+
+def kernel():
+    """The compiled blocks.cpp for this CPU (built once per machine and source, ~45 s, under
+    $MEDUSA_CACHE/kernels), registered as the operator torch.ops.medusa_blocks.linear; or None, with the
+    reason logged, where it cannot be built."""
+    return build(isa())
 
 
 @functools.cache
-def kernel():
-    """The compiled blocks.cpp (built once per machine and source, ~45 s, under $MEDUSA_CACHE/kernels),
-    registered as the operator torch.ops.medusa_blocks.linear; or None, with the reason logged,
-    where it cannot be built."""
+def build(target: str, op: bool = True):
+    """blocks.cpp built for `target` (a key of ISA_FLAGS); op=False: without registering the operator
+    (a second build in one process, to compare the paths through its `blocks_linear`)."""
     from torch.utils import cpp_extension
 
     from ..models import cache_dir
 
-    source, tag = SOURCE.read_text(), source_tag()
+    tag = source_tag(target) + ("" if op else "-noop")
     folder = cache_dir() / "kernels" / f"blocks-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
+    name = f"medusa_blocks_{tag.replace('-', '_')}"
     try:
-        if not (folder / f"medusa_blocks_{tag}.so").is_file():
+        if not (folder / f"{name}.so").is_file():
             log.warning("building the block-linear kernel for this machine (once, ~45 s)")
         module = cpp_extension.load_inline(
-            f"medusa_blocks_{tag}", cpp_sources=source, functions=["blocks_linear"], build_directory=str(folder),
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            name, cpp_sources=SOURCE.read_text(), functions=["blocks_linear"], build_directory=str(folder),
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *ISA_FLAGS[target],
+                          *([] if op else ["-DMEDUSA_NO_OP"])],
+            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, no headers: the stock layers stay
         log.warning("block linears off: the kernel did not build (%s)", str(e).splitlines()[0] if str(e) else e)
         return None
-    torch.library.register_fake("medusa_blocks::linear")(_linear_shape)
+    if op:
+        torch.library.register_fake("medusa_blocks::linear")(_linear_shape)
     return module
 
 
