@@ -76,6 +76,18 @@ def test_the_cost_curve_is_cached_per_machine_fingerprint(model, tmp_path, monke
     assert refreshed.source == "measured" and calls[-1] is True
 
 
+def test_a_rebuilt_block_kernel_is_another_machine(model, tmp_path, monkeypatch):
+    m = saved_hydra(model, tmp_path / "d")
+    assert costs.fingerprint(m)["kernel"] is None  # stock linears: no kernel in the key
+    monkeypatch.setattr(m.backend, "linears", "blocks")
+    monkeypatch.setattr(costs.blocks, "source_tag", lambda: "avx2-build")
+    before = costs.fingerprint(m)
+    monkeypatch.setattr(costs.blocks, "source_tag", lambda: "avx512-build")  # new source, torch or ISA
+    after = costs.fingerprint(m)
+    assert before["kernel"] == "avx2-build" and after["kernel"] == "avx512-build"
+    assert costs.cache_path(before, tmp_path) != costs.cache_path(after, tmp_path)
+
+
 def test_a_checkpoint_without_acceptance_keeps_its_own_budget(model, tmp_path):
     m = saved_hydra(model, tmp_path / "d", acceptance=None)
     own = m.drafter.budget

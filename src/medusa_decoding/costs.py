@@ -32,6 +32,7 @@ from .attention import fits_short_query_attention
 from .config import CompileMode
 from .models import cache_dir, processor_info, use_fast_attention
 from .tree import build_tree
+from .verifiers import blocks
 from .verifiers.transformers import EagerBackend, TransformersVerifier
 
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration chooses among
@@ -43,12 +44,14 @@ EXACT_MAX_COST = 0.10  # exact mode is the default where it costs at most this s
 
 
 def fingerprint(model) -> dict:
-    """What a cost curve depends on. model: a MedusaModel."""
+    """What a cost curve depends on. model: a MedusaModel. On GGUF blocks: the kernel's source tag too
+    (its source, torch's version and the instruction set it was built for)."""
     device = model.device
     cpu, isa = processor_info(device)
     return {"model": model.name, "dtype": str(model.base.dtype).removeprefix("torch."), "device": device.type,
             "processor": cpu, "isa": isa, "threads": torch.get_num_threads(),
             "verifier": model.backend.stats()["backend"], "attention": model.base.config._attn_implementation,
+            "kernel": blocks.source_tag() if getattr(model.backend, "linears", None) == "blocks" else None,
             "torch": torch.__version__, "version": VERSION}
 
 
