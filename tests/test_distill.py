@@ -16,7 +16,7 @@ from medusa_decoding.data import Contamination, distill, is_held_out, read_done
 from medusa_decoding.data import unpack as unpack_file
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import load_base
-from medusa_decoding.train import train
+from medusa_decoding.train import load_positions, train
 
 from conftest import run_cli, save_tiny
 from test_train import cfg as train_cfg
@@ -46,8 +46,13 @@ def chats(path, n=10, follow_ups=True, held_out=0):
 
 def records(folder):
     """id -> (ids, mask, hidden, lower) over every shard."""
+    return records_of(sorted((folder / "features").glob("*.safetensors")))
+
+
+def records_of(shards):
+    """id -> (ids, mask, hidden, lower) over these shards, in their order."""
     out = {}
-    for shard in sorted((folder / "features").glob("*.safetensors")):
+    for shard in shards:
         data = load_file(shard)
         with safe_open(shard, "pt") as f:
             ids = json.loads(f.metadata()["ids"])
@@ -159,12 +164,28 @@ def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp
         train_cfg(base_dir, tmp_path / "d", tmp_path / "x", drafter="hydra", recipe="eagle3")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hydra", "hydra-fused"])
 def test_evaluate_scores_a_hydra_checkpoint_as_training_did_and_refuses_what_it_cannot_score(base_dir, tmp_path, capsys,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, fused):
     data = chats(tmp_path / "c.jsonl", n=16, held_out=4)
     distill(str(base_dir), tmp_path / "d", source=str(data), cfg=CFG, dtype="float32", device="cpu", progress=False)
     metrics = train(train_cfg(base_dir, tmp_path / "d", tmp_path / "run", drafter="hydra", train_vocab=64,
-                              batch_size=32, epochs=1, eval_conversations=8), progress=False)
+                              batch_size=32, epochs=1, eval_conversations=8, fused=fused), progress=False)
+    assert metrics["feature_layers"] == ([1, 2] if fused else None)
+    if fused:
+        # training reads, at every position, what the verifier gives the drafter at inference: the
+        # recorded layers 1 and 2 in that order (tests/test_drafters.py checks the verifier's side)
+        shards = sorted((tmp_path / "d" / "features").glob("train-*.safetensors"))
+        pos = load_positions(shards, 4, fused=True)
+        want = torch.cat([torch.cat([r[3], r[2]], -1) for r in records_of(shards).values()])
+        assert torch.equal(pos.features(torch.arange(want.shape[0])), want)
+        m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", dtype="float32", device="cpu")
+        assert m.drafter.feature_layers == (1, 2)
+        plain = m.generate("question 3: what comes", max_new_tokens=30, use_medusa=False)
+        assert m.generate("question 3: what comes", max_new_tokens=30).token_ids == plain.token_ids
+        with pytest.raises(MedusaError, match="reads fused features; pass --fused"):
+            train(train_cfg(base_dir, tmp_path / "d", tmp_path / "warm", drafter="hydra", init=str(tmp_path / "run"),
+                            train_vocab=64, batch_size=32, epochs=0.1), progress=False)
     code, out, _ = run_cli(capsys, monkeypatch, "evaluate", "--heads", tmp_path / "run", "--data", tmp_path / "d")
     rows = out.strip().splitlines()[1:]
     assert code == 0 and len(rows) == len(metrics["eval"]["top1"])

@@ -124,7 +124,7 @@ class OracleHydra(HydraHeads):
         self.known, self.hit, self.g = hidden, hit, torch.Generator().manual_seed(seed)
         return self
 
-    def head(self, k, hidden, path_embeds):
+    def head(self, k, hidden, path_embeds, context):
         t = (self.known[None] - hidden[:, None]).norm(dim=-1).argmin(-1)  # [W]
         true = self.known[(t + k + 1).clamp(max=len(self.known) - 1)]
         miss = torch.rand(len(t), generator=self.g) > self.hit
@@ -197,6 +197,28 @@ def test_eagle_tree_drafting_equals_a_plain_recompute(model):
             assert total == pytest.approx(float(draft.score[i]), abs=1e-4)
 
 
+@pytest.mark.parametrize("layers", [None, [1, 2]], ids=["hydra", "hydra-fused"])
+def test_hydra_heads_draft_what_training_scores(model, layers):
+    """The proposer's depth-1 and depth-2 log-probs equal what the training forward gives for the same
+    base features and branch: the heads read h_t (or the fused layers) and the branch alike in both."""
+    net = make("hydra", model, seed=11, feature_layers=layers)
+    spec = proposers.wrap(net, model, budget=8)
+    width = len(layers or [0])
+    features = torch.randn(3, width * model.config.hidden_size)  # [A, k D] a step's verified positions
+    proposer = spec.proposer()
+    proposer.observe(features, torch.tensor([5, 6, 7]), None)
+    root, child = torch.tensor(7), 3  # the second node: the shortlist's token 3 under the root
+    first, expand = proposer._expander(root)
+    second = expand(torch.tensor([1]), torch.tensor([0, child]), torch.tensor([-1, 0]))[0]
+    embed = model.get_input_embeddings()
+    path = embed(torch.stack([root, spec.short.vocab[child], root]))[None]  # [1, K=3 used of 4, D]
+    path = torch.cat([path, path[:, :1]], dim=1)  # [1, 4, D]: head k reads the first k + 1
+    with torch.no_grad():  # spec.net: the module drafting runs (its linears on lean weights, drafters.draft_linears)
+        want = spec.short.log_probs(spec.net(features[-1:], path))  # [K, 1, V']
+    torch.testing.assert_close(first, want[0, 0])
+    torch.testing.assert_close(second, want[1, 0])
+
+
 @pytest.mark.parametrize("passes,layers", [(3, None), (7, [1, 2])], ids=["eagle1-3-passes", "eagle3-fused-7-passes"])
 def test_training_passes_see_what_tree_nodes_see(model, passes, layers):
     """Unrolled pass a at position t (training) == a depth-(a+1) node at inference: the drafter
@@ -230,10 +252,12 @@ def test_training_passes_see_what_tree_nodes_see(model, passes, layers):
                 torch.testing.assert_close(outs[a][t], ref, atol=1e-4, rtol=1e-4)
 
 
-def test_fused_eagle_drafts_from_the_verifiers_fused_features_and_stays_exact(model):
-    """A random EAGLE-3 drafter (fused layers 1 and 2) decodes token-identically to plain, and the
-    features its rows observe are the base's hidden states of those layers at those positions."""
-    drafter = make("eagle", model, seed=8, feature_layers=[1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_drafters_draft_from_the_verifiers_fused_features_and_stay_exact(model, kind):
+    """A random drafter on fused layers 1 and 2 (EAGLE-3; hydra --fused) decodes token-identically to
+    plain, and the features its rows observe are the base's hidden states of those layers at those
+    positions."""
+    drafter = make(kind, model, seed=8, feature_layers=[1, 2])
     seen = []
     spec = proposers.wrap(drafter, model, budget=8)
     assert spec.feature_layers == (1, 2)

@@ -331,6 +331,7 @@ def train(
     init: Optional[str] = typer.Option(TrainConfig.init, "--init", help="Warm start: a checkpoint folder of the --drafter kind, or 'shipped' (the built-in model's); its shape and shortlist are kept."),
     heads: int = typer.Option(TrainConfig.num_heads, "--heads", help="Number of heads K (hydra: the deepest level drafted)."),
     recipe: str = typer.Option(TrainConfig.recipe, "--recipe", help="eagle: eagle1 (last-layer feature, + --feature-weight) or eagle3 (low/middle/last features fused, token loss only, 7 passes)."),
+    fused: bool = typer.Option(TrainConfig.fused, "--fused", help="hydra: heads read the base's low, middle and last layers fused (recorded by distill-data), not the last alone."),
     unroll: Optional[int] = typer.Option(TrainConfig.unroll, "--unroll", help="eagle: training passes on its own predicted features (depths trained); default: the recipe's (3 or 7)."),
     layers: int = typer.Option(TrainConfig.num_layers, "--layers", help="Residual blocks per head."),
     inner_size: int = typer.Option(TrainConfig.inner_size, "--inner-size", help="0: Medusa's ResBlock x + SiLU(Wx + b); N: an MLP block x + W2 SiLU(W1 x) of inner width N."),
@@ -359,7 +360,7 @@ def train(
     from .train import metrics_table, train as run_training
 
     cfg = TrainConfig(
-        model=model, data=data, out=str(out), drafter=drafter, init=init, recipe=recipe, unroll=unroll, num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
+        model=model, data=data, out=str(out), drafter=drafter, init=init, recipe=recipe, fused=fused, unroll=unroll, num_heads=heads, num_layers=layers, inner_size=inner_size, own_lm_head=own_lm_head,
         targets=targets, feature_weight=feature_weight, vocab_fraction=vocab_fraction, train_vocab=train_vocab, decay=decay, epochs=epochs, lr=lr,
         warmup_steps=warmup_steps, batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
         max_conversations=max_conversations, eval_conversations=eval_conversations, save_every=save_every,

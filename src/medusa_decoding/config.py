@@ -193,6 +193,7 @@ class TrainConfig:
     train_vocab: int = 0  # > 0: the vocabulary losses use only the most frequent label tokens
     decay: float = 0.8  # head k's (eagle: pass k's) loss is weighted decay**(k-1)
     recipe: str = "eagle1"  # eagle: "eagle1" or "eagle3" (fused features, token loss only), see EagleRecipe
+    fused: bool = False  # hydra: heads read the low, middle and last layers fused (eagle: the eagle3 recipe's)
     unroll: int | None = None  # eagle: passes that read their own predicted features (None: the recipe's)
     epochs: float = 1.0  # passes over the training positions (fractions allowed)
     lr: float = 1e-3
@@ -222,6 +223,9 @@ class TrainConfig:
             raise MedusaError("the eagle3 recipe trains an eagle drafter (--drafter eagle)")
         if recipe is EagleRecipe.EAGLE3 and self.feature_weight > 0:
             raise MedusaError("the eagle3 recipe has no feature loss: leave --feature-weight at 0")
+        if self.fused and self.drafter != DrafterKind.HYDRA.value:
+            raise MedusaError("--fused trains hydra heads on fused features; an eagle drafter fuses them with "
+                              "--recipe eagle3, Medusa heads read the last layer only")
         self.unroll = recipe.unroll if self.unroll is None else self.unroll
         if self.unroll < 1:
             raise MedusaError(f"unroll must be >= 1, got {self.unroll}")

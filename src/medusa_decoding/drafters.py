@@ -4,8 +4,9 @@ Glossary: T time, N tree nodes (root first), W frontier width (nodes expanded pe
 K heads, D hidden size, V vocabulary, V' the drafter's shortlist of V.
 
 Medusa heads guess every depth from h_t alone. These two see the branch they extend:
-  - HydraHeads (`hydra`): head k reads h_t and the embeddings of the branch's tokens
-    x_{t+1} (the root) .. x_{t+k}, and guesses x_{t+k+1}: an MLP per head, no recurrence.
+  - HydraHeads (`hydra`): head k reads h_t (or low, middle and last layers fused) and the
+    embeddings of the branch's tokens x_{t+1} (the root) .. x_{t+k}, and guesses x_{t+k+1}: an
+    MLP per head, no recurrence.
   - EagleDrafter (`eagle`): one decoder layer of the base's own architecture (fresh weights)
     reads fc([f_t ; embed(x_{t+1})]) with causal attention over the sequence and predicts the
     next feature f_{t+1}; deeper nodes feed the drafter its own predicted features. It keeps a
@@ -56,15 +57,15 @@ class DrafterConfig(JsonConfig):
     draft_depth: int = 4
     draft_width: int = 4
     draft_budget: int = 16  # root included
-    # eagle: the base hidden states it fuses (EAGLE-3; indices into the decoder's hidden states, 0 the
-    # embeddings, L the last layer's after the final norm). None: the last alone (EAGLE-1)
+    # the base hidden states it fuses (EAGLE-3; indices into the decoder's hidden states, 0 the
+    # embeddings, L the last layer's after the final norm, which must come last). None: the last alone
     feature_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise MedusaError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)} (or medusa heads)")
-        if self.feature_layers is not None and (self.drafter != "eagle" or len(self.feature_layers) < 2):
-            raise MedusaError("feature_layers (fused features) need an eagle drafter and at least two layers")
+        if self.feature_layers is not None and len(self.feature_layers) < 2:
+            raise MedusaError("feature_layers (fused features) need at least two layers")
         if self.draft_depth < 1 or self.draft_width < 1 or self.draft_budget < 2:
             raise MedusaError("drafting needs depth >= 1, width >= 1 and a budget of at least 2 nodes")
 
@@ -166,6 +167,19 @@ class _Drafter(nn.Module):
         self.config = config
         # the token ids the drafter may propose; filled by training (most frequent labels)
         self.register_buffer("vocab", torch.arange(config.shortlist_size, dtype=torch.long))
+        # fused features (EAGLE-3): each layer RMS-normalised first (SmolLM2's middle layers run at
+        # 3-10x the last one's scale), then k D -> D
+        d, layers = config.hidden_size, config.feature_layers or []
+        self.fuse_norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in layers) if layers else None
+        self.fuse = nn.Linear(len(layers) * d, d) if layers else None
+
+    def from_base(self, features: torch.Tensor) -> torch.Tensor:
+        """The base's hidden states at verified positions [..., k D] (k = len(feature_layers), 1
+        without) -> the drafter's input feature [..., D]: fuse([norm_1(h_1) ; ... ; norm_k(h_k)])."""
+        if self.fuse is None:
+            return features
+        parts = features.chunk(len(self.fuse_norms), dim=-1)
+        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.fuse_norms, parts)], dim=-1))
 
     @property
     def kind(self) -> str:
@@ -187,9 +201,10 @@ class _Drafter(nn.Module):
 
 
 class HydraHeads(_Drafter):
-    """K sequential heads: head k maps [h_t ; e(x_{t+1}) ; ... ; e(x_{t+k})] ((k+1) D) to a
+    """K sequential heads: head k maps [c_t ; e(x_{t+1}) ; ... ; e(x_{t+k})] ((k+2) D) to a
     feature h_t + W2 SiLU(W1 [...] + b1) + b2 (W2, b2 zero-initialised), read by the LM head
-    as a guess of x_{t+k+1}. e is the base's frozen input embedding, passed in."""
+    as a guess of x_{t+k+1}. e is the base's frozen input embedding, passed in; c_t is h_t, or
+    with `feature_layers` the fused low, middle and last layers (from_base), computed once a step."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
@@ -200,23 +215,32 @@ class HydraHeads(_Drafter):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def head(self, k: int, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
-        """Head k (0-based): hidden [..., D], path_embeds [..., k+1, D] -> feature [..., D]."""
-        x = torch.cat([hidden, path_embeds.flatten(-2)], dim=-1)  # [..., (k+2) D]
+    def split(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's hidden states at a position [..., k D] (the last layer's last) -> (h_t [..., D],
+        what the heads read of them c_t [..., D])."""
+        hidden = features[..., -self.config.hidden_size:]
+        return hidden, self.from_base(features) if self.fuse is not None else hidden
+
+    def head(self, k: int, hidden: torch.Tensor, path_embeds: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Head k (0-based): hidden [..., D] h_t, path_embeds [..., k+1, D], context [..., D] c_t
+        (split) -> feature [..., D]."""
+        x = torch.cat([context, path_embeds.flatten(-2)], dim=-1)  # [..., (k+2) D]
         return hidden + self.down[k](nn.functional.silu(self.up[k](x)))
 
-    def forward(self, hidden: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
-        """Training: hidden [B, D], path_embeds [B, K, D] (the true x_{t+1..t+K}) -> features [K, B, D]."""
-        return torch.stack([self.head(k, hidden, path_embeds[:, : k + 1]) for k in range(self.config.num_heads)])
+    def forward(self, features: torch.Tensor, path_embeds: torch.Tensor) -> torch.Tensor:
+        """Training: features [B, k D] (h_t, or the fused layers', the last one last), path_embeds
+        [B, K, D] (the true x_{t+1..t+K}) -> features [K, B, D]."""
+        hidden, context = self.split(features)
+        return torch.stack([self.head(k, hidden, path_embeds[:, : k + 1], context)
+                            for k in range(self.config.num_heads)])
 
 
 class EagleDrafter(_Drafter):
     """fc([f_t ; e(x_{t+1})]) -> one decoder layer of the base's class -> predicted f_{t+1}.
 
-    With `feature_layers` (EAGLE-3), f_t at a verified position is fused from several base layers:
-    fuse([norm_1(h_1) ; ... ; norm_k(h_k)]) (k D -> D, each layer RMS-normalised first: SmolLM2's
-    middle layers run at 3-10x the last one's scale); deeper nodes read the drafter's own output
-    as before, and the LM head reads it through a norm of its own (`readout`).
+    With `feature_layers` (EAGLE-3), f_t at a verified position is fused from several base layers
+    (from_base); deeper nodes read the drafter's own output as before, and the LM head reads it
+    through a norm of its own (`readout`).
 
     The layer is built from the base's own decoder-layer class and config (one layer, fresh
     weights), with the base's rotary embedding: no modeling code here. Needs the base model
@@ -237,18 +261,7 @@ class EagleDrafter(_Drafter):
         self.text_config = text
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d)
-        layers = config.feature_layers or []
-        self.fuse_norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in layers) if layers else None
-        self.fuse = nn.Linear(len(layers) * d, d) if layers else None
-        self.out_norm = nn.RMSNorm(d, eps=1e-6) if layers else None
-
-    def from_base(self, features: torch.Tensor) -> torch.Tensor:
-        """The base's hidden states at verified positions [..., k D] (k = len(feature_layers), 1
-        without) -> the drafter's input feature [..., D]."""
-        if self.fuse is None:
-            return features
-        parts = features.chunk(len(self.fuse_norms), dim=-1)
-        return self.fuse(torch.cat([norm(p) for norm, p in zip(self.fuse_norms, parts)], dim=-1))
+        self.out_norm = nn.RMSNorm(d, eps=1e-6) if config.feature_layers else None
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """The drafter's output [..., D] -> the feature the base LM head reads [..., D]."""

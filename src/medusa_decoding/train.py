@@ -58,9 +58,18 @@ class Positions:
     target_index: torch.Tensor
     # [H] long: the token of every cached position (hydra heads read the branch's tokens)
     ids: torch.Tensor | None = None
+    # [H, (k-1) D]: the fused features' other layers at every cached position (hydra --fused), or None
+    lower: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.index.numel()
+
+    def features(self, at: torch.Tensor) -> torch.Tensor:
+        """What a drafter reads at cached positions at [B]: h [B, D], or the fused layers [B, k D]
+        (the last layer's last, as the verifier returns them)."""
+        if self.lower is None:
+            return self.hidden[at]
+        return torch.cat([self.lower[at], self.hidden[at]], dim=-1)
 
 
 def end_process_group() -> None:
@@ -165,12 +174,13 @@ def read_shards(shards: list[Path], limit: int | None = None, lower: bool = Fals
         yield data
 
 
-def load_positions(shards: list[Path], num_heads: int, limit: int | None = None) -> Positions:
-    """Shards -> Positions: every token t with at least one learnable head label."""
-    hidden, index, labels, targets, all_ids = [], [], [], [], []
+def load_positions(shards: list[Path], num_heads: int, limit: int | None = None, fused: bool = False) -> Positions:
+    """Shards -> Positions: every token t with at least one learnable head label (fused: with the
+    lower layers' features too)."""
+    hidden, lower, index, labels, targets, all_ids = [], [], [], [], [], []
     base = 0
     steps = torch.arange(2, num_heads + 2)  # [K]: head k's label is token t+k+1 = t + (k-1) + 2
-    for data in read_shards(shards, limit):
+    for data in read_shards(shards, limit, lower=fused):
         ids, mask, offsets = data["ids"], data["mask"].bool(), data["offsets"].tolist()
         for start, end in zip(offsets[:-1], offsets[1:]):
             t = torch.arange(end - start)[:, None]  # [T, 1]
@@ -183,11 +193,13 @@ def load_positions(shards: list[Path], num_heads: int, limit: int | None = None)
             labels.append(torch.where(valid, ids[pos_c], IGNORE)[keep])
             targets.append((base + pos_c - 1)[keep])
         hidden.append(data["hidden"])
+        lower.append(data.get("lower"))
         all_ids.append(ids)
         base += data["hidden"].shape[0]
     if not index:
         raise MedusaError("no training positions: the data has no assistant tokens")
-    return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets), torch.cat(all_ids))
+    return Positions(torch.cat(hidden), torch.cat(index), torch.cat(labels), torch.cat(targets), torch.cat(all_ids),
+                     torch.cat(lower) if fused else None)
 
 
 def path_ids(pos: Positions, idx: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -206,17 +218,17 @@ def head_losses(heads, lm_head, pos: Positions, idx: torch.Tensor, cfg: TrainCon
     shortlist, lm_head projects onto its V' tokens and label_map [V] takes a token to its
     index there (IGNORE outside it). Hydra heads also read the embeddings (`embed`, the base's
     input embedding) of the tokens after t."""
-    h = pos.hidden[pos.index[idx]].float()  # [B, D]
+    at = pos.index[idx]  # [B]
     labels = pos.labels[idx]  # [B, K]
     if label_map is not None:
         labels = torch.where(labels == IGNORE, IGNORE, label_map[labels.clamp(min=0)])
     target_h = pos.hidden[pos.target_index[idx]].float()  # [B, K, D]
     n_vocab = max(1, math.ceil(cfg.vocab_fraction * idx.numel()))
     if embed is not None:  # hydra heads (maybe wrapped for distributed training)
-        feats = heads(h, embed(path_ids(pos, idx, labels.shape[1])).float())  # [K, B, D]
+        feats = heads(pos.features(at).float(), embed(path_ids(pos, idx, labels.shape[1])).float())  # [K, B, D]
         logits = lm_head(feats[:, :n_vocab])  # [K, b, V]
     else:
-        feats, logits = heads(h, lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
+        feats, logits = heads(pos.hidden[at].float(), lm_head, with_features=True, vocab_rows=n_vocab)  # [K, B, D], [K, b, V]
     loss = logits.new_zeros(())
     top1 = []
     for k in range(logits.shape[0]):
@@ -267,12 +279,12 @@ def evaluate(heads, lm_head, pos: Positions, batch_size: int = 512, topk: int = 
     hits1, hits5, count = torch.zeros(k_heads), torch.zeros(k_heads), torch.zeros(k_heads)
     for start in range(0, len(pos), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(pos)))
-        h = pos.hidden[pos.index[idx]].float()  # [B, D]
+        at = pos.index[idx]  # [B]
         if isinstance(heads, HydraHeads):
-            feats = heads(h, embed(path_ids(pos, idx, heads.config.num_heads)).float())  # [K, B, D]
+            feats = heads(pos.features(at).float(), embed(path_ids(pos, idx, heads.config.num_heads)).float())  # [K, B, D]
             top = short.vocab[short.log_probs(feats).topk(topk, dim=-1).indices]  # [K, B, topk]
         else:
-            top = heads(h, lm_head).topk(topk, dim=-1).indices  # [K, B, topk]
+            top = heads(pos.hidden[at].float(), lm_head).topk(topk, dim=-1).indices  # [K, B, topk]
         labels = pos.labels[idx]  # [B, K]
         for k in range(k_heads):
             valid = labels[:, k] != IGNORE
@@ -466,7 +478,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     if tokenizer.chat_template is None:
         raise MedusaError(f"{cfg.model} has no chat template: head training renders chat conversations")
     depth = base.config.get_text_config().num_hidden_layers
-    fused = cfg.recipe == EagleRecipe.EAGLE3.value
+    fused = cfg.fused or cfg.recipe == EagleRecipe.EAGLE3.value
     distilled = distilled_folder(cfg.data)
     if distilled is not None:  # features recorded while the data was decoded: the base does not run
         recorded = json.loads((distilled / "fingerprint.json").read_text())
@@ -485,7 +497,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
                                                   is_main, progress, layers)
         counts.update({k if k.startswith("eval") else f"eval: {k}": v for k, v in eval_counts.items()})
     if fused and (not layers or len(layers) < 2):
-        raise MedusaError(f"the eagle3 recipe fuses several layers; {cfg.data} recorded only {layers}")
+        raise MedusaError(f"fused features need several layers; {cfg.data} recorded only {layers}")
     accelerator.wait_for_everyone()
     if is_main:
         log.info("data: %s", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
@@ -509,7 +521,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     heads = heads.float().train().requires_grad_(True)
     lm_head.float().requires_grad_(False)
     del base
-    pos = load_positions(train_shards, cfg.num_heads, cfg.max_conversations)
+    pos = load_positions(train_shards, cfg.num_heads, cfg.max_conversations, fused and cfg.drafter == "hydra")
     train_head, label_map = lm_head, None
     if cfg.drafter != "medusa" or (cfg.train_vocab and not cfg.own_lm_head):
         size = heads.config.shortlist_size if cfg.drafter != "medusa" else cfg.train_vocab
@@ -622,7 +634,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
                                          load_sequences(eval_shards, cfg.eval_conversations, fused), cfg)
     elif eval_shards:
         short = Shortlist(lm_head, unwrapped.vocab) if cfg.drafter == "hydra" else None
-        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads, cfg.eval_conversations),
+        metrics["eval"] = evaluate(unwrapped, lm_head, load_positions(eval_shards, cfg.num_heads, cfg.eval_conversations,
+                                                                      fused and cfg.drafter == "hydra"),
                                    embed=embed, short=short)
     if is_main:
         unwrapped.save_pretrained(out)
@@ -660,7 +673,10 @@ def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None =
                                   load_sequences(shards, limit, fused), TrainConfig(unroll=unroll))
         hydra = isinstance(weights, HydraHeads)
         num_heads = weights.config.num_heads if hydra else weights.num_heads
-        return evaluate(weights, lm_head, load_positions(shards, num_heads, limit), embed=embed if hydra else None,
+        fused = hydra and weights.config.feature_layers is not None
+        if fused and list(weights.config.feature_layers) != list(recorded["layers"]):
+            raise MedusaError(f"{heads} reads layers {weights.config.feature_layers}; {folder} recorded {recorded['layers']}")
+        return evaluate(weights, lm_head, load_positions(shards, num_heads, limit, fused), embed=embed if hydra else None,
                         short=Shortlist(lm_head, weights.vocab) if hydra else None)
 
 
@@ -689,6 +705,9 @@ def initial_weights(cfg: TrainConfig, base):
     if cfg.drafter == "eagle" and (weights.config.feature_layers is not None) != (cfg.recipe == EagleRecipe.EAGLE3.value):
         recipe = "eagle3" if weights.config.feature_layers is not None else "eagle1"
         raise MedusaError(f"--init {cfg.init} was trained with the {recipe} recipe; pass --recipe {recipe}")
+    if cfg.drafter == "hydra" and (weights.config.feature_layers is not None) != cfg.fused:
+        flag = "--fused" if weights.config.feature_layers is not None else "no --fused"
+        raise MedusaError(f"--init {cfg.init} {'does not read' if cfg.fused else 'reads'} fused features; pass {flag}")
     return weights
 
 

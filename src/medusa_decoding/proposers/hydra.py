@@ -1,5 +1,6 @@
-"""Hydra heads: head k reads h_t and the embeddings of the branch it extends (the root x_{t+1}
-.. x_{t+k}) and guesses x_{t+k+1}; EAGLE-2's rule grows the tree, one batched head call per depth.
+"""Hydra heads: head k reads h_t (or the fused layers) and the embeddings of the branch it extends
+(the root x_{t+1} .. x_{t+k}) and guesses x_{t+k+1}; EAGLE-2's rule grows the tree, one batched
+head call per depth.
 
 Glossary: W frontier width, k depth, D hidden size, V' shortlist.
 """
@@ -23,18 +24,20 @@ class HydraDrafter(PathDrafter):
 
 
 class HydraProposer(PathProposer):
-    """A row's state: the hidden state of its last verified position."""
+    """A row's state: the base's hidden states at its last verified position (the drafter's
+    feature layers, concatenated, where it fuses them)."""
 
-    last_hidden: torch.Tensor | None = None  # [D]
+    last_features: torch.Tensor | None = None  # [k D]
 
     def observe(self, hidden, next_tokens, nodes) -> None:
-        self.last_hidden = hidden[-1]
+        self.last_features = hidden[-1]
 
     def _expander(self, root: torch.Tensor):
         d = self.drafter
-        heads, h, embed, short = d.net, self.last_hidden, d.embed, d.short
+        heads, embed, short = d.net, d.embed, d.short
+        h, context = heads.split(self.last_features[None])  # [1, D] each
         root_embed = embed(root.reshape(1))  # [1, D]
-        first = short.log_probs(heads.head(0, h[None], root_embed[None]))[0]  # [V']
+        first = short.log_probs(heads.head(0, h, root_embed[None], context))[0]  # [V']
         calls = [0]
 
         def expand(frontier, tokens, parents):
@@ -44,8 +47,9 @@ class HydraProposer(PathProposer):
                 chain.append(node)
                 node = parents[node]
             ids = short.vocab[tokens[torch.stack(chain[::-1], dim=-1)]]  # [W, k]
-            embeds = torch.cat([root_embed.expand(len(frontier), 1, -1), embed(ids)], dim=1)  # [W, k+1, D]
-            return short.log_probs(heads.head(k, h.expand(len(frontier), -1), embeds))
+            w = len(frontier)
+            embeds = torch.cat([root_embed.expand(w, 1, -1), embed(ids)], dim=1)  # [W, k+1, D]
+            return short.log_probs(heads.head(k, h.expand(w, -1), embeds, context.expand(w, -1)))
 
         return first, expand
 
