@@ -211,15 +211,16 @@ class HydraHeads(_Drafter):
         d, inner = config.hidden_size, config.inner_size
         self.up = nn.ModuleList(nn.Linear((k + 2) * d, inner) for k in range(config.num_heads))
         self.down = nn.ModuleList(nn.Linear(inner, d) for _ in range(config.num_heads))
-        for layer in self.down:
+        for layer in [*self.down, *([self.fuse] if self.fuse is not None else [])]:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
     def split(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The base's hidden states at a position [..., k D] (the last layer's last) -> (h_t [..., D],
-        what the heads read of them c_t [..., D])."""
+        what the heads read of them c_t [..., D]: h_t, plus the fused layers where it fuses them; the
+        fusion starts at zero, so a fresh fused hydra is a plain one)."""
         hidden = features[..., -self.config.hidden_size:]
-        return hidden, self.from_base(features) if self.fuse is not None else hidden
+        return hidden, hidden + self.from_base(features) if self.fuse is not None else hidden
 
     def head(self, k: int, hidden: torch.Tensor, path_embeds: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Head k (0-based): hidden [..., D] h_t, path_embeds [..., k+1, D], context [..., D] c_t
