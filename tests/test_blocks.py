@@ -202,9 +202,9 @@ def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
 
 
 @needs_kernel
-def test_auto_dtype_keeps_fp32_on_blocks_where_the_cpu_has_avx512_bf16_but_no_amx(tmp_path, monkeypatch):
-    """On an AVX-512 BF16 CPU without AMX `auto` loads an fp32 checkpoint in fp32 and keeps it there
-    when its linears run on blocks (a GGUF's), else in bf16 as before; with AMX, bf16."""
+def test_auto_dtype_keeps_fp32_on_blocks_where_the_cpu_has_bf16_hardware(tmp_path, monkeypatch):
+    """On a CPU with AVX-512 BF16 or AMX `auto` loads an fp32 checkpoint in fp32 and keeps it there
+    when its linears run on blocks (a GGUF's), else in bf16 as before; elsewhere fp32."""
     from medusa_decoding import models
 
     for name, base in (("gguf", gguf_like_llama()), ("random", tiny_llama())):
@@ -216,6 +216,9 @@ def test_auto_dtype_keeps_fp32_on_blocks_where_the_cpu_has_avx512_bf16_but_no_am
     assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.bfloat16
     assert models.load_base(str(tmp_path / "gguf"), dtype="bfloat16", device="cpu")[0].dtype == torch.bfloat16
     monkeypatch.setattr(models, "cpu_info", lambda: ("AMX CPU", [*avx512, "amx_bf16"]))
+    assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.float32
+    assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.bfloat16
+    monkeypatch.setattr(blocks, "kernel", lambda: None)  # no kernel here: bf16 after all
     assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.bfloat16
     monkeypatch.setattr(models, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
     assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.float32

@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Built-in alias, Hugging Face model folder or .gguf file.")
 HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle drafter folder; default: the drafter shipped for the built-in model (with --tree: its Medusa heads).")
-DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
+DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX, but fp32 there too where the linears run on a GGUF's blocks; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch. Default: on where this machine's calibration measures it costs at most 10% of tokens/s (bf16 and fp16; fp32 output is exact either way).")
 CompileOpt = typer.Option(None, "--compile/--no-compile", help="torch.compile the verification step. Default (auto): in float32, the graphs this machine has saved are loaded (~2 s each) and the missing ones run eager while a background process (nice 19) builds them (~70 s each on a 2-core CPU) for this run and the next; --compile: build every graph in this process, waiting; --no-compile: eager.")

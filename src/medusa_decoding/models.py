@@ -103,14 +103,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def tries_blocks(dtype: str, device: torch.device, folder: Path) -> bool:
     """Whether `auto` loads this checkpoint in fp32 first, to keep it there if its linears run on a
-    GGUF's blocks (on_blocks): on CPUs with AVX-512 BF16 but no AMX, for fp32 checkpoints (a GGUF's
-    dequantised folder is one). Measured on the AMD EPYC with AVX-512 bf16 (13 Spec-Bench prompts,
-    96 tokens, interleaved): fp32 on blocks decoded plainly 1.89x bf16 on packed linears, and the
-    default method 1.26x (30.6 vs 24.2 tok/s), its output token-identical to plain's (13/13; bf16 6/13).
-    With AMX (the Xeon) bf16 stays: not measured there against blocks."""
+    GGUF's blocks (on_blocks): on CPUs with bf16 in hardware (AVX-512 BF16, AMX), for fp32
+    checkpoints (a GGUF's dequantised folder is one); on the others auto is fp32 anyway. Measured,
+    13 Spec-Bench prompts, 96 tokens, interleaved (scripts/dtype_ab.py): on the AMD EPYC with
+    AVX-512 bf16 fp32 on blocks decoded plainly 1.89x bf16 on packed linears, the default method
+    1.26x; on the Intel Xeon with AMX, plain 1.51x eager and 2.30x on saved compiled graphs (50.1
+    vs 21.8 tok/s), the default method 0.92x eager and 1.15x compiled (41.8 vs 36.4). Both token-
+    identical to fp32 plain decoding (13/13; bf16 default vs bf16 plain: 3-6/13)."""
     if dtype != "auto" or device.type != "cpu" or resolve_dtype(dtype, device) != torch.bfloat16:
-        return False
-    if "amx_bf16" in cpu_info()[1]:
         return False
     try:
         config = json.loads((folder / "config.json").read_text())
