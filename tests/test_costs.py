@@ -21,17 +21,42 @@ def test_a_flat_cost_curve_chooses_a_large_tree_and_a_steep_one_a_small_tree():
     draft = dict.fromkeys(ACCEPT, 0.05)
     flat = {1: 1.0, 8: 1.02, 16: 1.04, 32: 1.08, 48: 1.1}  # a 16-row block costs what one row costs (AMX)
     steep = {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.5, 16: 6.0, 32: 11.0, 48: 16.0}  # few-row kernels grow fast
-    big, table = costs.choose_budget(ACCEPT, flat, draft)
-    small, _ = costs.choose_budget(ACCEPT, steep, draft)
+    big, _, table = costs.choose_budget(ACCEPT, flat, draft)
+    small, _, _ = costs.choose_budget(ACCEPT, steep, draft)
     assert big == 32 and small == 2
-    assert table[0] == {"budget": 1, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}
+    assert table[0] == {"budget": 1, "chain": 0, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}
     # the n-gram chain is verified with every tree: its nodes count in the cost
-    with_chain, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=8)
-    alone, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=0)
-    assert with_chain < alone
+    with_chain, chain, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=8)
+    alone, _, _ = costs.choose_budget(ACCEPT, {1: 1.0, 10: 1.1, 14: 1.3, 40: 4.0}, draft, chain=0)
+    assert with_chain < alone and chain == 8
     # a costly drafter shrinks the budget too
-    dear, _ = costs.choose_budget(ACCEPT, flat, {b: 0.1 * b for b in ACCEPT})
+    dear, _, _ = costs.choose_budget(ACCEPT, flat, {b: 0.1 * b for b in ACCEPT})
     assert dear < big
+
+
+def test_where_the_chains_gain_is_measured_it_runs_only_where_it_pays_and_plain_is_a_choice():
+    draft = dict.fromkeys(ACCEPT, 0.05)
+    chained = {1: 1.3} | {b: tau + 0.3 for b, tau in ACCEPT.items()}  # + 0.3 tokens a step beside any tree
+    flat = {1: 1.0, 8: 1.02, 16: 1.04, 32: 1.08, 48: 1.1}
+    assert costs.choose_budget(ACCEPT, flat, draft, 8, chained)[:2] == (32, 8)  # nearly free: the chain runs
+    steep = {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.5, 16: 6.0, 32: 11.0, 48: 16.0}
+    assert costs.choose_budget(ACCEPT, steep, draft, 8, chained)[:2] == (2, 0)  # 8 more nodes cost more than 0.3 tokens
+    costly = {1: 1.0, 2: 1.9, 9: 4.0, 10: 4.4, 40: 16.0}  # every tree loses: plain decoding
+    budget, chain, table = costs.choose_budget(ACCEPT, costly, draft, 8, chained)
+    assert (budget, chain) == (1, 0) and {(r["budget"], r["chain"]) for r in table} >= {(1, 0), (1, 8), (2, 0), (2, 8)}
+    copying = {1: 5.0} | {b: 5.0 for b in ACCEPT}  # answers that copy their prompt: the chain alone
+    assert costs.choose_budget(ACCEPT, costly, draft, 8, copying)[:2] == (1, 8)
+
+
+def test_compiled_costs_remove_the_same_overhead_at_every_size():
+    curve = costs.CostCurve({}, 0.037, {1: 1.0, 4: 44.2 / 37.13, 8: 54.41 / 37.13, 16: 94.43 / 37.13},
+                            {"k": {4: 0.2}}, compiled=20.19 / 37.13)  # eager, and the saved graph's t(1), Xeon fp32
+    verify, draft = costs.compiled_costs(curve)
+    measured = {4: 28.31 / 20.19, 8: 37.63 / 20.19, 16: 74.98 / 20.19}  # the saved graphs, same run
+    assert verify[1] == pytest.approx(1.0)
+    for n, v in measured.items():
+        assert verify[n] == pytest.approx(v, rel=0.05)
+    assert draft["k"][4] == pytest.approx(0.2 * 37.13 / 20.19)
 
 
 def saved_hydra(model, folder, acceptance=ACCEPT):
@@ -167,6 +192,62 @@ def test_the_recorder_counts_what_each_smaller_tree_would_have_kept():
     assert counts == {2: 1, 3: 2, 4: 3, 5: 3, "steps": 2}
 
 
+def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_added():
+    """Context 5 6 7 | 5 6 (the root) then the answer 7 9 5 6 7: the chain looks up the root's last
+    n-gram (5 6) and proposes what followed it (7 5 6 ...). Step 1 (root 6): the chain matches 7,
+    not 5 (9 came): 1 token, the tree kept 0 or 1; step 2 (root 9): no earlier 9, no chain."""
+    from medusa_decoding.config import NgramConfig
+    from medusa_decoding.proposers import Proposer
+
+    counts = dict.fromkeys((2, 3), 0) | {"steps": 0}
+    recorder = cal._Recorder(Proposer(), [2, 3], counts)
+    recorder.start(torch.tensor([5, 6, 7, 5]))
+    recorder.observe(None, torch.tensor([6]), None)  # the prefill: the root 6
+    recorder.rank = torch.tensor([-1, 0, 1])  # a 3-node tree, nodes 1 and 2 under the root
+    recorder.observe(None, torch.tensor([7, 9]), torch.tensor([0, 2]))  # node 2 accepted (rank 1), then 9
+    recorder.rank = None  # no tree
+    recorder.observe(None, torch.tensor([5]), torch.tensor([0]))
+    recorder.context += [6, 7]  # what the base emitted afterwards
+    assert counts == {2: 0, 3: 1, "steps": 2}
+    assert recorder.with_chain(NgramConfig(length=4)) == {1: 1, 2: 1, 3: 1}
+    assert recorder.with_chain(NgramConfig(length=4, min_ngram=3)) == {1: 0, 2: 0, 3: 1}  # no 3-gram match
+
+
+def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(model, tmp_path):
+    from medusa_decoding.config import NgramConfig
+
+    m = saved_hydra(model, tmp_path / "d")
+    m.ngram = m.ngram_asked = NgramConfig(length=8)
+    chained = {1: 1.3} | {b: tau + 0.3 for b, tau in ACCEPT.items()}
+    (tmp_path / "d" / proposers.ACCEPTANCE_NAME).write_text(json.dumps(
+        {"expected_tau": ACCEPT, "expected_tau_ngram": chained, "ngram": {"length": 8, "max_ngram": 3, "min_ngram": 1}}))
+    assert m.drafter.acceptance(NgramConfig(length=8)) == pytest.approx(chained)
+    assert m.drafter.acceptance(NgramConfig(length=4)) is None  # measured for another chain
+    key = costs.drafter_key(m.drafter)
+    flat = costs.CostCurve({"processor": "AMX", "threads": 2, "dtype": "bfloat16", "verifier": "eager"}, 0.05,
+                           {n: 1.0 + 0.003 * n for n in range(1, 49)}, {key: dict.fromkeys(ACCEPT, 0.05)})
+    fit = costs.fit_budget(m, flat, tmp_path / "c.json", "cached")
+    assert (fit.budget, fit.chain) == (32, 8) and m.ngram is not None and "with the n-gram chain" in fit.line
+    # eager: each node costs 4% of a step, after a large fixed overhead; compiled, the overhead is gone
+    steep = costs.CostCurve(flat.fingerprint, 0.05, {n: 0.96 + 0.04 * n for n in range(1, 49)},
+                            {key: dict.fromkeys(ACCEPT, 0.05)}, compiled=0.3)
+    eager = costs.fit_budget(m, steep, tmp_path / "c.json", "cached")
+    compiled = costs.fit_budget(m, steep, tmp_path / "c.json", "cached", compiled=True)
+    assert eager.budget > compiled.budget and compiled.chain == 0
+    assert m.ngram is None and m.drafter.budget == compiled.budget and "compiled" in compiled.line
+    costs.fit_budget(m, flat, tmp_path / "c.json", "cached")  # the chain asked for comes back where it pays
+    assert m.ngram == NgramConfig(length=8)
+
+
+def test_the_compiled_ratio_waits_for_the_saved_graph(model, tmp_path):
+    from medusa_decoding.verifiers.compiled import WANTED, CompiledBackend
+    from medusa_decoding.verifiers.transformers import EagerBackend
+
+    auto = CompiledBackend(model, graphs=tmp_path, mode="auto")
+    assert costs.compiled_ratio(EagerBackend(model), auto, repeats=1) is None  # no graph yet: it ran eager
+    assert list((auto.folder / WANTED).glob("*.json"))  # and asked the background builder for it
+
+
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_in_hardware(monkeypatch):
     from medusa_decoding import models
 
@@ -194,6 +275,8 @@ def test_cli_calibrate_a_drafter_saves_its_acceptance_and_fits_this_machine(tmp_
     assert code == 0, err
     accepted = json.loads((tmp_path / "o" / proposers.ACCEPTANCE_NAME).read_text())
     assert accepted["prompts"] == 2 and set(map(int, accepted["expected_tau"])) == set(costs.BUDGETS)
+    assert set(map(int, accepted["expected_tau_ngram"])) == {1, *costs.BUDGETS} and accepted["ngram"]["length"] == 8
+    assert all(accepted["expected_tau_ngram"][str(b)] >= tau for b, tau in accepted["expected_tau"].items())
     assert not (tmp_path / "d" / proposers.ACCEPTANCE_NAME).exists()  # --out: the source is left alone
     assert "<- chosen" in out and "calibration: measured now" in err
     # generate with the calibrated copy reads its acceptance and the cached costs

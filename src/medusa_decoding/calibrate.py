@@ -21,11 +21,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .config import NgramConfig
 from .costs import BUDGETS, interpolate, measure, timed
 from .drafters import keep_order
 from .proposers import ACCEPTANCE_NAME, Drafter, Proposer
+from .proposers.ngram import lookup
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
@@ -174,6 +177,9 @@ def calibration_prompts(path: Path | None, limit: int) -> list[str]:
 # EAGLE-2's rule keeps the b - 1 best-scored nodes of one candidate set whatever b is, and a child
 # scores below its parent: the b-node tree is the top of the 32-node one. So one greedy run at the
 # largest budget tells, for every smaller budget, how many of each step's accepted nodes it kept.
+# The n-gram chain is counted the same way, from the answer once it is known: under the root beside
+# the tree, it would have been accepted as far as it matches what the base emitted after the root,
+# and the step keeps the longer of the two branches. Both counts keep the largest budget's steps.
 
 
 class _Recorder(Proposer):
@@ -183,8 +189,11 @@ class _Recorder(Proposer):
         self.inner, self.budgets, self.counts = inner, budgets, counts
         self.depth_limit = inner.depth_limit
         self.rank: torch.Tensor | None = None  # [N] each node's rank by score (root: -1)
+        self.context: list[int] = []  # prompt and emitted tokens, the root last
+        self.steps: list[tuple[int, dict[int, int]]] = []  # (context length at propose, budget -> kept)
 
     def start(self, prompt):
+        self.context = prompt.tolist()
         self.inner.start(prompt)
 
     def propose(self, root, budget=None):
@@ -198,45 +207,73 @@ class _Recorder(Proposer):
         return p
 
     def observe(self, hidden, next_tokens, nodes):
-        if nodes is not None and self.rank is not None:
-            kept = self.rank[nodes[1:]]  # [A - 1] ranks of the accepted nodes
-            for b in self.budgets:
-                self.counts[b] += int((kept < b - 1).sum())
+        if nodes is not None:
+            kept = self.rank[nodes[1:]] if self.rank is not None else torch.zeros(0)  # [A - 1] accepted nodes' ranks
+            step = {b: int((kept < b - 1).sum()) for b in self.budgets}
+            for b, n in step.items():
+                self.counts[b] += n
             self.counts["steps"] += 1
+            self.steps.append((len(self.context), step))
+        self.context += (next_tokens[-1:] if nodes is None else next_tokens).tolist()
         self.inner.observe(hidden, next_tokens, nodes)
+
+    def with_chain(self, config: NgramConfig) -> dict[int, int]:
+        """Once the answer is complete: budget -> accepted nodes its steps would have had with an
+        n-gram chain of config.length beside the tree (budget 1: the chain alone)."""
+        context = np.asarray(self.context, dtype=np.int64)
+        out = dict.fromkeys([1, *self.budgets], 0)
+        for at, step in self.steps:
+            chain = lookup(context[:at], config, config.length)
+            match = 0
+            if chain is not None:
+                after = context[at : at + len(chain)]
+                match = len(after) if np.array_equal(chain[: len(after)], after) else int(np.argmin(chain[: len(after)] == after))
+            for b in out:
+                out[b] += max(step.get(b, 0), match)
+        return out
 
 
 class _Recording(Drafter):
     def __init__(self, drafter: Drafter, budgets: list[int], counts: dict):
         self.inner, self.budgets, self.counts = drafter, budgets, counts
         self.kind, self.weights = drafter.kind, drafter.weights
+        self.made: list[_Recorder] = []
 
     def proposer(self) -> Proposer:
-        return _Recorder(self.inner.proposer(), self.budgets, self.counts)
+        self.made.append(_Recorder(self.inner.proposer(), self.budgets, self.counts))
+        return self.made[-1]
 
     def tree_sizes(self) -> set[int]:
         return {max(self.budgets)}
 
 
 def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 128, budgets=BUDGETS,
-                     progress=None) -> dict:
+                     progress=None, ngram: NgramConfig | None = None) -> dict:
     """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each ->
     {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
-    greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget."""
+    greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget.
+    ngram: also "expected_tau_ngram", the same with an n-gram chain of its length beside each tree
+    (budget 1: the chain alone), counted from the same steps (default: NgramConfig())."""
     from .engine import MedusaModel
 
-    budgets = sorted(budgets)
+    budgets, ngram = sorted(budgets), ngram or NgramConfig()
     counts = dict.fromkeys(budgets, 0) | {"steps": 0}
-    recording = MedusaModel(model.base, model.tokenizer, heads=_Recording(model.drafter, budgets, counts),
-                            backend=model.backend)
+    recording = _Recording(model.drafter, budgets, counts)
+    runner = MedusaModel(model.base, model.tokenizer, heads=recording, backend=model.backend)
     for i, ids in enumerate(inputs):
-        recording.generate(ids, max_new_tokens=max_new_tokens)
+        runner.generate(ids, max_new_tokens=max_new_tokens)
         if progress:
             progress(i + 1)
     steps = max(counts["steps"], 1)
-    return {"expected_tau": {b: 1.0 + counts[b] / steps for b in budgets}, "steps": counts["steps"],
-            "prompts": len(inputs), "max_new_tokens": max_new_tokens, "drafted_at_budget": budgets[-1],
-            "dtype": str(model.base.dtype).removeprefix("torch."),
+    chained = dict.fromkeys([1, *budgets], 0)
+    for recorder in recording.made:
+        for b, n in recorder.with_chain(ngram).items():
+            chained[b] += n
+    return {"expected_tau": {b: 1.0 + counts[b] / steps for b in budgets},
+            "expected_tau_ngram": {b: 1.0 + n / steps for b, n in chained.items()},
+            "ngram": {"length": ngram.length, "max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram},
+            "steps": counts["steps"], "prompts": len(inputs), "max_new_tokens": max_new_tokens,
+            "drafted_at_budget": budgets[-1], "dtype": str(model.base.dtype).removeprefix("torch."),
             "data": "first user turns of held-out ShareGPT conversations, greedy"}
 
 

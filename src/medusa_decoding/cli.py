@@ -64,13 +64,16 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
                                     attn_implementation="exact" if exact else "auto")
     fit_budget = m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED
     refresh = mode == CalibrationMode.REFRESH
+    # what will run the model after the fits: the budget is fitted to its costs once its graphs are saved
+    compiled = make_backend(m.base, compile_mode) if compile_mode is CompileMode.AUTO and compiles_by_default(m.base) \
+        else None
     if exact is None and mode != CalibrationMode.SHIPPED:  # exact where it is (nearly) free here
-        for line in m.fit_exactness(fit_budget, refresh=refresh, use_medusa=not no_medusa).lines:
+        for line in m.fit_exactness(fit_budget, refresh=refresh, use_medusa=not no_medusa, compiled=compiled).lines:
             typer.echo(line, err=True)
     elif fit_budget:
-        typer.echo(m.fit_to_machine(refresh=refresh).line, err=True)
-    if compile_mode is CompileMode.AUTO and compiles_by_default(m.base):  # once exact mode is chosen: it stays eager
-        m.backend = make_backend(m.base, compile_mode)
+        typer.echo(m.fit_to_machine(refresh=refresh, compiled=compiled).line, err=True)
+    if compiled is not None and compiles_by_default(m.base):  # once exact mode is chosen: it stays eager
+        m.backend = compiled
     return m
 
 

@@ -77,6 +77,7 @@ class CostCurve:
     draft: dict[str, dict[int, float]] = field(default_factory=dict)  # drafter_key -> b -> draft(b) / t(1)
     measured_s: float = 0.0  # seconds the measurements took, all together
     varies_at: dict[str, str | None] = field(default_factory=dict)  # step sizes checked ("1,6,14") -> the first step that changed a row's logits, or None
+    compiled: float | None = None  # t(1) of the saved compiled graph / t(1) eager (compile mode auto), once measured
 
     @classmethod
     def from_json(cls, data: dict) -> CostCurve:
@@ -84,7 +85,7 @@ class CostCurve:
                    verify={int(n): v for n, v in data["verify"].items()},
                    draft={k: {int(b): v for b, v in d.items()} for k, d in data.get("draft", {}).items()},
                    measured_s=data.get("measured_s", 0.0),
-                   varies_at=dict(data.get("varies_at", {})))
+                   varies_at=dict(data.get("varies_at", {})), compiled=data.get("compiled"))
 
 
 def cache_path(fp: dict, root: Path | None = None) -> Path:
@@ -119,8 +120,9 @@ def timed(fn, device: torch.device) -> float:
 
 
 def verify_sizes(chain: int, budgets=BUDGETS) -> list[int]:
-    """The node counts a calibration measures: one token, and every budget with and without the chain."""
-    return sorted({1} | set(budgets) | {b + chain for b in budgets})
+    """The node counts a calibration measures: one token, and every budget with and without the
+    chain (and the chain alone)."""
+    return sorted({1, 1 + chain} | set(budgets) | {b + chain for b in budgets})
 
 
 @torch.inference_mode()
@@ -179,6 +181,48 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
 
 
 @torch.inference_mode()
+def compiled_ratio(eager, compiled, layers: tuple[int, ...] | None = None, repeats: int = REPEATS,
+                   prefix: int = PREFIX) -> float | None:
+    """t(1) of the compiled backend's one-node step over the eager backend's, the two timed
+    alternately after the same prefix -> that ratio, or None where the compiled backend has no
+    graph for the step yet (compile mode auto then asks its background builder for one and runs
+    the step eager). Nothing is committed."""
+    device = eager.device
+    vocab = eager.model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (min(prefix, eager.context_length - 8),), device=device)
+    tree = build_tree([]).to(device)
+    runs, times = [], ([], [])
+    before = compiled.eager_steps
+    try:
+        for backend in (eager, compiled):
+            verifier = TransformersVerifier(backend, feature_layers=layers)
+            runs.append((verifier, verifier.add(ids, 4)[0]))
+        for rep in range(repeats + 1):
+            for (verifier, row), out in zip(runs, times):
+                tokens = torch.randint(0, vocab, (1,), device=device)
+                t = timed(lambda: verifier.verify([row], [tokens], [tree]), device)
+                if rep:  # the first round warms up (and loads the graph)
+                    out.append(t)
+            if compiled.eager_steps != before:  # no graph yet: the step ran eager
+                return None
+    finally:
+        for verifier, row in runs:
+            verifier.release(row)
+    return statistics.median(times[1]) / statistics.median(times[0])
+
+
+def compiled_costs(curve: CostCurve) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    """The curve as the saved compiled graphs run it -> (verify, draft) relative to their t(1).
+    Compiling removes per-operator overhead, about the same at every size (Intel Xeon, fp32 on
+    blocks, eager minus saved graph at 1 / 4 / 8 / 16 / 32 nodes: 16.9 / 15.9 / 16.8 / 19.4 / 21.4
+    ms), so with r = curve.compiled = t_c(1) / t(1): t_c(n) = t(n) - (1 - r) t(1); the drafter
+    runs eager either way, so its share grows by 1 / r."""
+    r = curve.compiled
+    return ({n: (v - (1 - r)) / r for n, v in curve.verify.items()},
+            {k: {b: v / r for b, v in d.items()} for k, d in curve.draft.items()})
+
+
+@torch.inference_mode()
 def varies_at(backend, sizes: list[int], prefixes: Sequence[int] = (70, PREFIX)) -> str | None:
     """The first step ("5 nodes", "2 rows") whose logits are not bit-identical to the same
     tokens' logits in another layout, or None where none is: a chain's root against a one-token
@@ -230,19 +274,23 @@ def interpolate(curve: dict[int, float], n: int) -> float:
 
 
 def choose_budget(acceptance: dict[int, float], verify: dict[int, float], draft: dict[int, float],
-                  chain: int = 0) -> tuple[int, list[dict]]:
-    """The budget (>= 2) of highest expected speed-up -> (budget, table of every budget, budget 1
-    being plain decoding at speed-up 1 for reference). acceptance: b -> tau(b); verify: n ->
-    t(n)/t(1); draft: b -> draft(b)/t(1); chain: nodes of the n-gram chain verified with every tree."""
-    table = [{"budget": 1, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}]
-    for b in sorted(acceptance):
-        if b < 2 or b not in draft:
+                  chain: int = 0, chained: dict[int, float] | None = None) -> tuple[int, int, list[dict]]:
+    """The budget and n-gram chain of highest expected speed-up -> (budget, chain, table of every
+    option; budget 1 without a chain is plain decoding, speed-up 1). acceptance: b -> tau(b);
+    verify: n -> t(n)/t(1); draft: b -> draft(b)/t(1); chain: nodes of the n-gram chain. Without
+    `chained` every tree carries the chain, whose own gain is not in tau(b), and a budget >= 2 is
+    chosen; with chained (b -> tau(b) with the chain beside the tree, b = 1: the chain alone) each
+    budget is weighed with and without the chain, plain decoding included."""
+    table = [{"budget": 1, "chain": 0, "expected_tau": 1.0, "cost": 1.0, "expected_speedup": 1.0}]
+    options = [(b, 0 if chained is not None else chain, tau) for b, tau in sorted(acceptance.items())]
+    options += [(b, chain, tau) for b, tau in sorted((chained or {}).items())]
+    for b, c, tau in options:
+        if b < 1 or (b > 1 and b not in draft) or (b == 1 and not c):
             continue
-        cost = interpolate(verify, b + chain) + draft[b]
-        table.append({"budget": b, "expected_tau": acceptance[b], "cost": cost,
-                      "expected_speedup": acceptance[b] / cost})
-    best = max(table[1:], key=lambda r: r["expected_speedup"])
-    return best["budget"], table
+        cost = interpolate(verify, b + c) + (draft[b] if b > 1 else 0.0)
+        table.append({"budget": b, "chain": c, "expected_tau": tau, "cost": cost, "expected_speedup": tau / cost})
+    best = max(table if chained is not None else table[1:], key=lambda r: r["expected_speedup"])
+    return best["budget"], best["chain"], table
 
 
 @dataclass
@@ -255,11 +303,13 @@ class Fit:
     table: list[dict] = field(default_factory=list)
     path: Path | None = None
     step_s: float | None = None  # t(1) of the curve it was chosen on
+    chain: int | None = None  # nodes of the n-gram chain chosen (0: off); None: not chosen
 
     @property
     def speedup(self) -> float:
         """The chosen budget's expected speed-up over plain decoding (1 when nothing was chosen)."""
-        return next((r["expected_speedup"] for r in self.table if r["budget"] == self.budget), 1.0)
+        return next((r["expected_speedup"] for r in self.table if r["budget"] == self.budget
+                     and self.chain in (None, r["chain"])), 1.0)
 
 
 def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: dict | None = None,
@@ -323,48 +373,72 @@ def unfitted(model) -> Fit | None:
 def fit_sizes(model) -> tuple[list[int], list[int]]:
     """What fitting the model's drafter budget measures -> (verify sizes, drafter budgets)."""
     budgets = [b for b in BUDGETS if b in model.drafter.acceptance()]
-    return verify_sizes(model.ngram.length if model.ngram else 0, budgets), budgets
+    ngram = model.ngram_asked
+    return verify_sizes(ngram.length if ngram else 0, budgets), budgets
 
 
-def fit_budget(model, curve: CostCurve, path: Path, source: str) -> Fit:
-    """Choose and set the drafter's budget from its acceptance and this machine's curve."""
-    drafter = model.drafter
-    chain = model.ngram.length if model.ngram else 0
-    budget, table = choose_budget(drafter.acceptance(), curve.verify, curve.draft[drafter_key(drafter)], chain)
-    best = next(r for r in table if r["budget"] == budget)
+def fit_budget(model, curve: CostCurve, path: Path, source: str, compiled: bool = False) -> Fit:
+    """Choose and set the drafter's budget, and whether the n-gram chain the model was given runs
+    beside it (where the checkpoint measured its gain), from its acceptance and this machine's curve;
+    compiled: on the costs of the saved compiled graphs (compiled_costs), else the eager step's."""
+    drafter, ngram = model.drafter, model.ngram_asked
+    chain = ngram.length if ngram else 0
+    chained = drafter.acceptance(ngram) if ngram else None
+    verify, draft = compiled_costs(curve) if compiled else (curve.verify, curve.draft)
+    budget, chain, table = choose_budget(drafter.acceptance(), verify, draft[drafter_key(drafter)], chain, chained)
+    best = next(r for r in table if r["budget"] == budget and r["chain"] == chain)
     fp = curve.fingerprint
     where = "measured now" if source == "measured" else "cached"
-    line = (f"calibration: {where} for {fp['processor']} ({fp['threads']} threads, {fp['dtype']}, "
-            f"{fp['verifier']}): {drafter.kind} budget {budget} (expected tau {best['expected_tau']:.2f}, "
-            f"x{best['expected_speedup']:.2f} of plain) [{path}]")
-    if chain:  # what the chain's copies add is not in tau(b): it depends on the prompt
+    step = "compiled" if compiled else fp["verifier"]
+    if budget == 1 and not chain:
+        what = f"plain decoding ({drafter.kind} resting, no n-gram chain: none is expected to pay here)"
+    elif budget == 1:
+        what = f"the {chain}-token n-gram chain alone ({drafter.kind} resting)"
+    else:
+        what = f"{drafter.kind} budget {budget}" + (f", {'with the' if chain else 'no'} n-gram chain" if chained else "")
+    line = (f"calibration: {where} for {fp['processor']} ({fp['threads']} threads, {fp['dtype']}, {step}): {what} "
+            f"(expected tau {best['expected_tau']:.2f}, x{best['expected_speedup']:.2f} of plain) [{path}]")
+    if chain and chained is None:  # what the chain's copies add is not in tau(b): it depends on the prompt
         line = line.replace(" of plain)", " of plain before the n-gram branch's own gain)")
     elif best["expected_speedup"] < 1:
         line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
     drafter.set_budget(budget)
-    return Fit(budget, source, line, table, path, curve.step_s)
+    model.ngram = ngram if chain else None
+    return Fit(budget, source, line, table, path, curve.step_s, chain if chained is not None else None)
 
 
-def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False) -> Fit:
-    """Choose the drafter's budget for this machine and set it. model: a MedusaModel. The cost
-    curve comes from the cache when this machine measured it before, else it is measured now
-    (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh: measure again."""
+def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False,
+                   compiled=None) -> Fit:
+    """Choose the drafter's budget (and the n-gram chain) for this machine and set them. model: a
+    MedusaModel. The cost curve comes from the cache when this machine measured it before, else it
+    is measured now (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh:
+    measure again. compiled: the compiled backend (compile mode auto) that will run the model
+    (default: its backend, if compiled): once it has the saved one-node graph, the budget is fitted
+    to the compiled step's costs (compiled_costs), else to the eager step's."""
     reason = unfitted(model)
     if reason is not None:
         return reason
     sizes, budgets = fit_sizes(model)
-    compiled = model.backend if model.backend.compiled else None
-    if compiled is not None:  # compile mode auto: fitted to the eager step's costs, measured eager
+    if compiled is None and model.backend.compiled:
+        compiled = model.backend
+    running = model.backend
+    if running.compiled:  # the curve is measured eager
         model.backend = EagerBackend(model.base)
     try:
         ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
                                                   refresh).values()
-        fit = fit_budget(model, curve, path, source)
+        if compiled is not None and curve.compiled is None:
+            curve.compiled = compiled_ratio(model.backend, compiled, model.drafter.feature_layers)
+            if curve.compiled is not None:
+                save_curve(curve, path)
+        fit = fit_budget(model, curve, path, source, compiled=compiled is not None and curve.compiled is not None)
     finally:
-        if compiled is not None:
-            model.backend = compiled
-    if compiled is not None:
-        fit.line += " (compile mode auto: fitted to the eager step, which runs until the compiled graphs are built)"
+        model.backend = running
+    if compiled is not None and curve.compiled is None:
+        fit.line += (" (compile mode auto: fitted to the eager step, which runs until the compiled graphs are "
+                     "built; the next run fits the compiled step)")
+    elif compiled is not None:
+        fit.line += f" (compile mode auto: a saved graph's one-node step takes {curve.compiled:.2f} of the eager one)"
     return fit
 
 
@@ -383,17 +457,18 @@ class ExactFit:
 
 
 def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: bool = True,
-                  refresh: bool = False, use_medusa: bool = True) -> ExactFit:
+                  refresh: bool = False, use_medusa: bool = True, compiled=None) -> ExactFit:
     """Choose exact mode (every decoding forward row-invariant: bf16 speculative output equals
     bf16 plain output bit for bit) where it costs this machine <= EXACT_MAX_COST of the expected
     tokens/s, and set it. model: a MedusaModel. fit: also fit the drafter's budget, in each mode
     (the budgets may differ); else compare one step at the method's largest tree (use_medusa=False:
     plain decoding's one-token step). Both modes are measured in one interleaved run (or read from
-    the cache). Float32 is left as it is: its speculative output already equals plain output."""
+    the cache). Float32 is left as it is: its speculative output already equals plain output
+    (compiled: as fit_to_machine's, for its budget)."""
     base = model.base
     reason = unfitted(model) if fit else None
     if base.dtype in (torch.float32, torch.float64):
-        return ExactFit(False, [fit_to_machine(model, root, progress, refresh).line] if fit else [])
+        return ExactFit(False, [fit_to_machine(model, root, progress, refresh, compiled).line] if fit else [])
     if model.backend.compiled or not fits_short_query_attention(base.config):
         why = "the step is compiled" if model.backend.compiled else f"{base.config.model_type} does not fit its kernel"
         return ExactFit(False, ([fit_to_machine(model, root, progress, refresh).line] if fit else [])

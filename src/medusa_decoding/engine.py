@@ -631,6 +631,7 @@ class MedusaModel:
         else:
             self.drafter = proposers.wrap(heads, base, tree, tree_budget)
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
+        self.ngram_asked = self.ngram  # the chain asked for; a fit to the machine may run without it (costs.py)
         gen = getattr(base, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else base.config.get_text_config().eos_token_id
@@ -665,23 +666,25 @@ class MedusaModel:
         """Node counts of the verification steps this model takes: the shapes a compiled backend needs."""
         return self.method(use_medusa).tree_sizes()
 
-    def fit_to_machine(self, refresh: bool = False, progress: bool = True):
-        """Choose the drafter's budget for this machine from its shipped acceptance statistics and
-        this machine's verify and drafting costs (measured once, ~10-30 s, then cached under
-        $MEDUSA_CACHE/calibration) -> a costs.Fit whose `line` says which calibration is in use."""
+    def fit_to_machine(self, refresh: bool = False, progress: bool = True, compiled=None):
+        """Choose the drafter's budget (and whether the n-gram chain runs) for this machine from its
+        shipped acceptance statistics and this machine's verify and drafting costs (measured once,
+        ~10-30 s, then cached under $MEDUSA_CACHE/calibration) -> a costs.Fit whose `line` says which
+        calibration is in use. compiled: the compiled backend that will run it (compile mode auto)."""
         from .costs import fit_to_machine
 
-        return fit_to_machine(self, refresh=refresh, progress=progress)
+        return fit_to_machine(self, refresh=refresh, progress=progress, compiled=compiled)
 
     def fit_exactness(self, fit_budget: bool = True, refresh: bool = False, progress: bool = True,
-                      use_medusa: bool = True):
+                      use_medusa: bool = True, compiled=None):
         """Turn exact mode on where this machine's calibration measures it costs at most
         costs.EXACT_MAX_COST of the expected tokens/s (bf16, fp16; float32 is left as it is), fitting
         the drafter's budget in each mode when fit_budget -> a costs.ExactFit whose `lines` say what
-        was chosen."""
+        was chosen. compiled: as fit_to_machine's."""
         from .costs import fit_exactness
 
-        return fit_exactness(self, fit_budget, refresh=refresh, progress=progress, use_medusa=use_medusa)
+        return fit_exactness(self, fit_budget, refresh=refresh, progress=progress, use_medusa=use_medusa,
+                             compiled=compiled)
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
         """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DrafterKind, MedusaError
+from ..config import DrafterKind, MedusaError, NgramConfig
 from ..tree import TreeBuffers
 
 CONFIG_NAME = "config.json"
@@ -84,14 +84,16 @@ class Drafter:
     def default_budget(self) -> int:
         return max(self.tree_sizes())
 
-    def acceptance(self) -> dict[int, float] | None:
+    def acceptance(self, ngram: NgramConfig | None = None) -> dict[int, float] | None:
         """budget -> expected accepted length per step (bonus included), measured on held-out
         data and shipped with the checkpoint: what costs.fit_to_machine chooses a budget from
-        (None: unknown, the drafter keeps its own budget)."""
+        (None: unknown, the drafter keeps its own budget). ngram: with that n-gram chain beside
+        each tree (budget 1: the chain alone), where the checkpoint measured it, else None."""
         return None
 
     def set_budget(self, budget: int) -> None:
-        """Make `budget` (nodes, root included) its own budget from now on."""
+        """Make `budget` (nodes, root included; 1: the root alone, the drafter rests) its own
+        budget from now on."""
         raise MedusaError(f"a {self.kind} drafter has no budget to set")
 
     def describe(self) -> str:
@@ -101,13 +103,20 @@ class Drafter:
 ACCEPTANCE_NAME = "acceptance.json"  # a checkpoint's acceptance statistics (medusa calibrate)
 
 
-def read_acceptance(folder: str | Path | None) -> dict[int, float] | None:
-    """A checkpoint's acceptance.json -> {budget: expected accepted length}, or None."""
+def read_acceptance(folder: str | Path | None, ngram: NgramConfig | None = None) -> dict[int, float] | None:
+    """A checkpoint's acceptance.json -> {budget: expected accepted length}, or None; ngram: with
+    that chain beside each tree (None where the file has no figures for that chain)."""
     if folder is None or not (Path(folder) / ACCEPTANCE_NAME).is_file():
         return None
     try:
         raw = json.loads((Path(folder) / ACCEPTANCE_NAME).read_text())
-        return {int(b): float(tau) for b, tau in raw["expected_tau"].items()}
+        if ngram is None:
+            return {int(b): float(tau) for b, tau in raw["expected_tau"].items()}
+        measured = raw.get("ngram") or {}
+        if "expected_tau_ngram" not in raw or measured != {"length": ngram.length, "max_ngram": ngram.max_ngram,
+                                                            "min_ngram": ngram.min_ngram}:
+            return None
+        return {int(b): float(tau) for b, tau in raw["expected_tau_ngram"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise MedusaError(f"{Path(folder) / ACCEPTANCE_NAME} is not a valid acceptance file: {e}") from None
 

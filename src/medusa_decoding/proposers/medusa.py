@@ -83,10 +83,11 @@ class MedusaDrafter(Drafter):
     def proposer(self) -> MedusaProposer:
         return MedusaProposer(self)
 
-    def acceptance(self) -> dict[int, float] | None:
+    def acceptance(self, ngram=None) -> dict[int, float] | None:
         """A static tree cut to b nodes keeps its first b - 1 paths; each is accepted with the
-        product of its ranks' accuracies (Medusa's estimate, as `medusa calibrate` fits trees)."""
-        if self.dynamic or self.accuracy is None:
+        product of its ranks' accuracies (Medusa's estimate, as `medusa calibrate` fits trees).
+        Not measured with an n-gram chain (ngram: None)."""
+        if self.dynamic or self.accuracy is None or ngram is not None:
             return None
         acc, tau, out = self.accuracy, 1.0, {}
         for b, path in enumerate(self.tree.paths, start=2):

@@ -46,16 +46,16 @@ class PathDrafter(Drafter):
     def tree_sizes(self) -> set[int]:
         return {self.budget}
 
-    def acceptance(self) -> dict[int, float] | None:
-        return read_acceptance(self.source)
+    def acceptance(self, ngram=None) -> dict[int, float] | None:
+        return read_acceptance(self.source, ngram)
 
     def set_budget(self, budget: int) -> None:
-        if budget < 2:
-            raise MedusaError(f"a drafted tree needs a budget of at least 2 nodes, got {budget}")
+        if budget < 1:
+            raise MedusaError(f"a drafted tree needs a budget of at least 1 node (the root), got {budget}")
         self.budget = budget
 
     def describe(self) -> str:
-        return f"{self.kind} (drafted {self.budget}-node tree)"
+        return f"{self.kind} (drafted {self.budget}-node tree)" if self.budget > 1 else f"{self.kind} (resting: no tree)"
 
 
 class PathProposer(Proposer):
