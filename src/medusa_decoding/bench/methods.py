@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..attention import register_attention
 from ..config import CalibrationMode, DrafterKind, MedusaError, NgramConfig
-from .config import COMPILED, EXACT, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, STOCK, BenchConfig, split_mode
+from .config import COMPILED, EXACT, FITTED_KINDS, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, STOCK, BenchConfig, split_mode
 from .prompts import Prompt
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -223,50 +223,49 @@ def build_methods(cfg: BenchConfig):
             loaded[key] = proposers.load(folder, base.base)
         return loaded[key]
 
-    def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False) -> MedusaModel:
+    def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False, on=None) -> MedusaModel:
+        """on: the compiled backend whose costs the budget is fitted to (a method's @compiled mode)."""
         model = MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
                             ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
         if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != CalibrationMode.SHIPPED:
-            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == CalibrationMode.REFRESH).line)
+            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == CalibrationMode.REFRESH, compiled=on).line)
         return model
 
-    fitted_default: dict[bool, MedusaModel] = {}
+    fitted_default: dict[tuple, MedusaModel] = {}
 
-    def default_model(fitted: bool) -> MedusaModel:
-        if fitted not in fitted_default:
+    def default_model(fitted: bool, on=None) -> MedusaModel:
+        if (fitted, on) not in fitted_default:
             folder = default_heads(cfg)
-            fitted_default[fitted] = variant(weights(folder) if folder is not None else None, True, fitted=fitted)
-        return fitted_default[fitted]
+            fitted_default[fitted, on] = variant(weights(folder) if folder is not None else None, True, fitted=fitted, on=on)
+        return fitted_default[fitted, on]
 
-    default = default_model(True) if "default" in kinds or cfg.batch_sizes else None
-    methods: dict[str, Generate] = {}
-    made: dict[str, list[str]] = {}  # kind -> the methods it made (medusa: one per --tree)
-    for kind in dict.fromkeys(split_mode(k)[0] for k in kinds):
-        before = set(methods)
+    def make(kind: str, on=None) -> dict[str, Generate]:
+        """The methods of one method kind (medusa: one per --tree); on: as variant's."""
         fitted = not kind.endswith(SHIPPED)
         name, plus, _ = kind.removesuffix(SHIPPED).partition("+")
         if name == "plain" and not plus:
-            methods["plain"] = engine_method(base, False, cfg.temperature)
-        elif name == "plain":  # prompt lookup alone, in our engine
-            methods[kind] = engine_method(variant(plus=True), True, cfg.temperature)
-        elif name == "default":
-            methods[kind] = engine_method(default_model(fitted), True, cfg.temperature)
-        elif name == "dynamic":
-            methods[kind] = engine_method(variant(weights(heads), bool(plus), DYNAMIC), True, cfg.temperature)
-        elif name == "medusa" and not cfg.trees:
-            methods[kind] = engine_method(variant(weights(heads), bool(plus)), True, cfg.temperature)
-        elif name == "medusa":
-            for tree, stem in zip(cfg.trees, stems):
-                model = variant(weights(heads), bool(plus), tree)
-                methods[f"medusa:{stem}{plus and NGRAM}"] = engine_method(model, True, cfg.temperature)
-        elif name in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value):
-            model = variant(weights(drafter_folder(cfg, name)), bool(plus), fitted=fitted)
-            methods[kind] = engine_method(model, True, cfg.temperature)
-        elif name == LLAMACPP:
-            methods[kind] = llamacpp.llamacpp_method(base, gguf)
-        else:
-            methods[kind] = hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)
-        made[kind] = [m for m in methods if m not in before]
+            return {"plain": engine_method(base, False, cfg.temperature)}
+        if name == "plain":  # prompt lookup alone, in our engine
+            return {kind: engine_method(variant(plus=True), True, cfg.temperature)}
+        if name == "default":
+            return {kind: engine_method(default_model(fitted, on), True, cfg.temperature)}
+        if name == "dynamic":
+            return {kind: engine_method(variant(weights(heads), bool(plus), DYNAMIC), True, cfg.temperature)}
+        if name == "medusa" and not cfg.trees:
+            return {kind: engine_method(variant(weights(heads), bool(plus)), True, cfg.temperature)}
+        if name == "medusa":
+            return {f"medusa:{stem}{plus and NGRAM}": engine_method(variant(weights(heads), bool(plus), tree), True,
+                                                                     cfg.temperature)
+                    for tree, stem in zip(cfg.trees, stems)}
+        if name in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value):
+            model = variant(weights(drafter_folder(cfg, name)), bool(plus), fitted=fitted, on=on)
+            return {kind: engine_method(model, True, cfg.temperature)}
+        if name == LLAMACPP:
+            return {kind: llamacpp.llamacpp_method(base, gguf)}
+        return {kind: hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)}
+
+    default = default_model(True) if "default" in kinds or cfg.batch_sizes else None
+    made = {core: make(core) for core in dict.fromkeys(split_mode(k)[0] for k in kinds)}
     compiled = None
     if any(split_mode(k)[1] == COMPILED for k in kinds):  # saved graphs: what generate loads by default
         from ..verifiers.compiled import CompiledBackend
@@ -278,8 +277,11 @@ def build_methods(cfg: BenchConfig):
     asked: dict[str, Generate] = {}  # in the order asked; a kind@exact/@compiled/@stock: each of its methods in that mode
     for kind in kinds:
         core, mode = split_mode(kind)
-        for m in made[core]:
-            asked[m + mode] = (exact_method(base, methods[m]) if mode == EXACT else
-                               backend_method(compiled, methods[m]) if mode == COMPILED else
-                               backend_method(stock, methods[m]) if mode == STOCK else methods[m])
+        methods = made[core]
+        if mode == COMPILED and core.partition("+")[0] in FITTED_KINDS:  # fitted to the compiled step, as generate is
+            methods = make(core, compiled)
+        for m, method in methods.items():
+            asked[m + mode] = (exact_method(base, method) if mode == EXACT else
+                               backend_method(compiled, method) if mode == COMPILED else
+                               backend_method(stock, method) if mode == STOCK else method)
     return base, asked, default
