@@ -282,10 +282,11 @@ def _calibrate_drafter(m, texts: list[str], max_new_tokens: int, heads: Path, ou
     m.drafter.source = folder
     typer.echo(f"saved {folder / cal.ACCEPTANCE_NAME} ({accepted['steps']} steps)", err=True)
     fit = m.fit_to_machine(refresh=True)
-    typer.echo("budget  expected tau  cost  expected speed-up (this machine)")
+    typer.echo("budget  n-gram chain  expected tau  cost  expected speed-up (this machine)")
     for r in fit.table:
-        mark = "  <- chosen" if r["budget"] == fit.budget else ""
-        typer.echo(f"{r['budget']:>6}  {r['expected_tau']:12.2f}  {r['cost']:4.2f}  {r['expected_speedup']:17.2f}{mark}")
+        mark = "  <- chosen" if r["budget"] == fit.budget and fit.chain in (None, r["chain"]) else ""
+        typer.echo(f"{r['budget']:>6}  {r['chain']:>12}  {r['expected_tau']:12.2f}  {r['cost']:4.2f}  "
+                   f"{r['expected_speedup']:17.2f}{mark}")
     typer.echo(fit.line, err=True)
     if not grid:
         return
