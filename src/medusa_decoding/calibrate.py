@@ -253,7 +253,8 @@ def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 12
     {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
     greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget.
     ngram: also "expected_tau_ngram", the same with an n-gram chain of its length beside each tree
-    (budget 1: the chain alone), counted from the same steps (default: NgramConfig())."""
+    (budget 1: the chain alone): tau(b) plus the chain's gain counted from the same steps, the
+    median over prompts (default: NgramConfig())."""
     from .engine import MedusaModel
 
     budgets, ngram = sorted(budgets), ngram or NgramConfig()
@@ -265,12 +266,17 @@ def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 12
         if progress:
             progress(i + 1)
     steps = max(counts["steps"], 1)
-    chained = dict.fromkeys([1, *budgets], 0)
+    tau = {b: 1.0 + counts[b] / steps for b in budgets}
+    # the chain's gain per prompt, then its median: a few answers that loop (the chain then accepts all
+    # of its tokens at every step) would otherwise stand for all of them
+    gains = {b: [] for b in [1, *budgets]}
     for recorder in recording.made:
-        for b, n in recorder.with_chain(ngram).items():
-            chained[b] += n
-    return {"expected_tau": {b: 1.0 + counts[b] / steps for b in budgets},
-            "expected_tau_ngram": {b: 1.0 + n / steps for b, n in chained.items()},
+        if recorder.steps:
+            for b, n in recorder.with_chain(ngram).items():
+                kept = sum(step.get(b, 0) for _, step in recorder.steps)
+                gains[b].append((n - kept) / len(recorder.steps))
+    return {"expected_tau": tau,
+            "expected_tau_ngram": {b: tau.get(b, 1.0) + (statistics.median(g) if g else 0.0) for b, g in gains.items()},
             "ngram": {"length": ngram.length, "max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram},
             "steps": counts["steps"], "prompts": len(inputs), "max_new_tokens": max_new_tokens,
             "drafted_at_budget": budgets[-1], "dtype": str(model.base.dtype).removeprefix("torch."),
