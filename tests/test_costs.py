@@ -195,7 +195,8 @@ def test_the_recorder_counts_what_each_smaller_tree_would_have_kept():
 def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_added():
     """Context 5 6 7 | 5 6 (the root) then the answer 7 9 5 6 7: the chain looks up the root's last
     n-gram (5 6) and proposes what followed it (7 5 6 ...). Step 1 (root 6): the chain matches 7,
-    not 5 (9 came): 1 token, the tree kept 0 or 1; step 2 (root 9): no earlier 9, no chain."""
+    not 5 (9 came): 1 token, the tree kept 0 or 1; step 2 (root 9): no earlier 9, no chain. The
+    chain alone: after 6 it gains 1 (7), after 9 none, after 5 (6 7 5 ...) 2 (6 7), then the end."""
     from medusa_decoding.config import NgramConfig
     from medusa_decoding.proposers import Proposer
 
@@ -209,8 +210,8 @@ def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_add
     recorder.observe(None, torch.tensor([5]), torch.tensor([0]))
     recorder.context += [6, 7]  # what the base emitted afterwards
     assert counts == {2: 0, 3: 1, "steps": 2}
-    assert recorder.with_chain(NgramConfig(length=4)) == {1: 1, 2: 1, 3: 1}
-    assert recorder.with_chain(NgramConfig(length=4, min_ngram=3)) == {1: 0, 2: 0, 3: 1}  # no 3-gram match
+    assert recorder.chain_gain(NgramConfig(length=4)) == {1: 3 / 3, 2: 1 / 2, 3: 0.0}
+    assert recorder.chain_gain(NgramConfig(length=4, min_ngram=3)) == {1: 0.0, 2: 0.0, 3: 0.0}  # no 3-gram match
 
 
 def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(model, tmp_path):

@@ -179,7 +179,8 @@ def calibration_prompts(path: Path | None, limit: int) -> list[str]:
 # largest budget tells, for every smaller budget, how many of each step's accepted nodes it kept.
 # The n-gram chain is counted the same way, from the answer once it is known: under the root beside
 # the tree, it would have been accepted as far as it matches what the base emitted after the root,
-# and the step keeps the longer of the two branches. Both counts keep the largest budget's steps.
+# and the step keeps the longer of the two branches (the largest budget's steps); the chain alone
+# is decoded over the answer.
 
 
 class _Recorder(Proposer):
@@ -217,19 +218,32 @@ class _Recorder(Proposer):
         self.context += (next_tokens[-1:] if nodes is None else next_tokens).tolist()
         self.inner.observe(hidden, next_tokens, nodes)
 
-    def with_chain(self, config: NgramConfig) -> dict[int, int]:
-        """Once the answer is complete: budget -> accepted nodes its steps would have had with an
-        n-gram chain of config.length beside the tree (budget 1: the chain alone)."""
+    def chain_gain(self, config: NgramConfig) -> dict[int, float]:
+        """Once the answer is complete: budget -> tokens a step gains from an n-gram chain of
+        config.length beside the tree, on average over this answer. Budget 1, the chain alone,
+        is decoded over the answer as it would have gone (each step advances by its match + 1);
+        a budget >= 2 keeps its steps of this run (their starts are where the drafter stopped)."""
         context = np.asarray(self.context, dtype=np.int64)
-        out = dict.fromkeys([1, *self.budgets], 0)
-        for at, step in self.steps:
+
+        def match(at: int) -> int:  # chain tokens the base would accept after the root at `at` - 1
             chain = lookup(context[:at], config, config.length)
-            match = 0
-            if chain is not None:
-                after = context[at : at + len(chain)]
-                match = len(after) if np.array_equal(chain[: len(after)], after) else int(np.argmin(chain[: len(after)] == after))
-            for b in out:
-                out[b] += max(step.get(b, 0), match)
+            if chain is None:
+                return 0
+            same = chain[: len(context) - at] == context[at : at + len(chain)]
+            return len(same) if same.all() else int(np.argmin(same))
+
+        out = dict.fromkeys(self.budgets, 0.0)
+        if self.steps:
+            for at, step in self.steps:
+                found = match(at)
+                for b in out:
+                    out[b] += max(step[b], found) - step[b]
+            out = {b: n / len(self.steps) for b, n in out.items()}
+            at, steps, gained = self.steps[0][0], 0, 0
+            while at < len(context):
+                found = match(at)
+                steps, gained, at = steps + 1, gained + found, at + found + 1
+            out[1] = gained / steps
         return out
 
 
@@ -272,9 +286,8 @@ def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 12
     gains = {b: [] for b in [1, *budgets]}
     for recorder in recording.made:
         if recorder.steps:
-            for b, n in recorder.with_chain(ngram).items():
-                kept = sum(step.get(b, 0) for _, step in recorder.steps)
-                gains[b].append((n - kept) / len(recorder.steps))
+            for b, gain in recorder.chain_gain(ngram).items():
+                gains[b].append(gain)
     return {"expected_tau": tau,
             "expected_tau_ngram": {b: tau.get(b, 1.0) + (statistics.median(g) if g else 0.0) for b, g in gains.items()},
             "ngram": {"length": ngram.length, "max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram},
