@@ -181,10 +181,11 @@ def measure(backend, drafter, sizes: list[int], budgets=BUDGETS, repeats: int = 
 
 
 @torch.inference_mode()
-def compiled_ratio(eager, compiled, layers: tuple[int, ...] | None = None, repeats: int = REPEATS,
+def compiled_ratio(eager, compiled, layers: tuple[int, ...] | None = None, repeats: int = 3 * REPEATS,
                    prefix: int = PREFIX) -> float | None:
     """t(1) of the compiled backend's one-node step over the eager backend's, the two timed
-    alternately after the same prefix -> that ratio, or None where the compiled backend has no
+    alternately after the same prefix (a one-node step is cheap: more rounds than the curve's, as
+    this one ratio reshapes the whole curve) -> that ratio, or None where the compiled backend has no
     graph for the step yet (compile mode auto then asks its background builder for one and runs
     the step eager). Nothing is committed."""
     device = eager.device
