@@ -238,6 +238,20 @@ def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(
     assert m.ngram is None and m.drafter.budget == compiled.budget and "compiled" in compiled.line
     costs.fit_budget(m, flat, tmp_path / "c.json", "cached")  # the chain asked for comes back where it pays
     assert m.ngram == NgramConfig(length=8)
+    # where no tree pays the drafter rests: plain decoding, or the chain alone where copying pays
+    dear = costs.CostCurve(flat.fingerprint, 0.05, {1: 1.0, 2: 2.5, 9: 3.0, 10: 3.1, 14: 3.5, 48: 40.0},
+                           {key: dict.fromkeys(ACCEPT, 0.05)})
+    fit = costs.fit_budget(m, dear, tmp_path / "c.json", "cached")
+    assert (fit.budget, fit.chain) == (1, 0) and not m.method().speculative and "plain decoding" in fit.line
+    plain = m.generate("hello", max_new_tokens=12, use_medusa=False, chat=False)
+    assert m.generate("hello", max_new_tokens=12, chat=False).stats.steps == plain.stats.steps
+    (tmp_path / "d" / proposers.ACCEPTANCE_NAME).write_text(json.dumps(
+        {"expected_tau": ACCEPT, "expected_tau_ngram": {b: 5.0 for b in [1, *ACCEPT]},
+         "ngram": {"length": 8, "max_ngram": 3, "min_ngram": 1}}))
+    fit = costs.fit_budget(m, dear, tmp_path / "c.json", "cached")
+    assert (fit.budget, fit.chain) == (1, 8) and "chain alone" in fit.line
+    method = m.method()
+    assert method.drafter is None and method.ngram is not None and method.default_budget == 2
 
 
 def test_the_compiled_ratio_waits_for_the_saved_graph(model, tmp_path):

@@ -651,7 +651,10 @@ class MedusaModel:
         return getattr(self.drafter, "tree", ROOT_ONLY)
 
     def method(self, use_medusa: bool = True) -> Method:
-        return Method(self.drafter, self.ngram) if use_medusa else Method()
+        if not use_medusa:
+            return Method()
+        resting = self.drafter is not None and self.drafter.default_budget < 2  # a fit found no tree worth it
+        return Method(None if resting else self.drafter, self.ngram)
 
     def verifier(self, rows: int = 1, use_medusa: bool = True) -> TransformersVerifier:
         """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""
