@@ -214,6 +214,14 @@ def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_add
     assert recorder.chain_gain(NgramConfig(length=4, min_ngram=3)) == {1: 0.0, 2: 0.0, 3: 0.0}  # no 3-gram match
 
 
+@pytest.mark.parametrize("kind", ["hydra", "eagle"])
+def test_acceptance_is_measured_for_drafters_on_fused_features(model, kind):
+    drafter = make(kind, model, seed=3, feature_layers=[1, 2])
+    m = MedusaModel(model, byte_tokenizer(), heads=drafter)
+    result = cal.acceptance_curve(m, [torch.tensor([p]) for p in prompts(2, seed=4)], max_new_tokens=12, budgets=[2, 4])
+    assert result["steps"] > 0 and set(result["expected_tau_ngram"]) == {1, 2, 4}
+
+
 def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(model, tmp_path):
     from medusa_decoding.config import NgramConfig
 

@@ -250,7 +250,7 @@ class _Recorder(Proposer):
 class _Recording(Drafter):
     def __init__(self, drafter: Drafter, budgets: list[int], counts: dict):
         self.inner, self.budgets, self.counts = drafter, budgets, counts
-        self.kind, self.weights = drafter.kind, drafter.weights
+        self.kind, self.weights, self.feature_layers = drafter.kind, drafter.weights, drafter.feature_layers
         self.made: list[_Recorder] = []
 
     def proposer(self) -> Proposer:
