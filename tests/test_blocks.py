@@ -71,9 +71,12 @@ def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
     w = blocks.quantize(torch.randn(80, 96, generator=g), kind)  # 5 panels: 4 side by side and one alone
     found = blocks.recover(w)
     x = torch.randn(20, 96, generator=g)
-    for n in range(1, 21):  # both paths: dequantized in registers up to 8 rows, through a buffer above
-        ours = blocks.block_linear(x[:n], found, None)
-        assert torch.equal(ours, avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits)), n
+    for n in range(1, 21):  # AVX-512 in registers up to 8 rows, then through a buffer or in chunks of <= 8
+        theirs = avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits, 0)
+        assert torch.equal(blocks.block_linear(x[:n], found, None), theirs), n
+        for limit in (blocks.STREAM_CHUNK, blocks.ALL_ROWS):  # either choice of stream_rows()
+            ours = torch.ops.medusa_blocks.linear(x[:n], found.codes, found.d, found.m, kind.bits, limit)
+            assert torch.equal(ours, theirs), (n, limit)
 
 
 @needs_kernel

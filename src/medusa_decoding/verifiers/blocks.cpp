@@ -73,12 +73,13 @@ static inline void rows_block(const float* x, int64_t M, int64_t K, const float*
 }
 
 #if defined(__AVX512F__)
-// AVX-512, for few rows (at most STREAM_ROWS): a panel's 16 outputs are one register, each block's
-// weights are dequantized k by k in registers and used at once (no buffer), up to 4 panels side by
-// side (one fma chain alone would wait on its own latency). More rows take the AVX2 code above, which
-// dequantizes a block once for all of them (measured faster there on the AMD EPYC Zen 4, whose
-// AVX-512 units are 256 bits wide). Each output is the same fma chain over k on either path, so
-// every build and path gives the same bits.
+// AVX-512: a panel's 16 outputs are one register, each block's weights are dequantized k by k in
+// registers and used at once (no buffer) for up to STREAM_ROWS rows, up to 4 panels side by side (one
+// fma chain alone would wait on its own latency). Past `stream_rows` rows (the caller's choice, timed
+// per machine in blocks.py) the AVX2 code above takes them: it dequantizes a block once for all rows,
+// which was faster on the AMD EPYC Zen 4 (256-bit AVX-512 units); on an Intel Xeon with two 512-bit
+// FMA units rows in chunks of 8 here were 1.1-1.5x faster at 9-32 rows. Each output is the same fma
+// chain over k on every path, so every build, path and chunking gives the same bits.
 constexpr int64_t STREAM_ROWS = 8;
 template <int BITS>
 static inline __m512 weights16(const uint8_t* c, __m512 d, __m512 m, int k) {
@@ -134,8 +135,10 @@ static inline void group16(int64_t R, int64_t pn, const float* x, int64_t K, Pan
 }
 #endif
 
-// x [M, K] fp32 contiguous -> y [M, N]; codes/d/m as above, bits 4 (Q4_1) or 8 (Q8_0; m unused).
-torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits) {
+// x [M, K] fp32 contiguous -> y [M, N]; codes/d/m as above, bits 4 (Q4_1) or 8 (Q8_0; m unused);
+// stream_rows: the most rows the AVX-512 path takes (in chunks of at most STREAM_ROWS), AVX2 above.
+torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits,
+                            int64_t stream_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [M, K] contiguous fp32");
   TORCH_CHECK(x.size(1) == codes.size(1) && x.size(1) % 32 == 0, "x's K must match the codes' and be a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = 16 * P, B = K / 32;
@@ -146,15 +149,21 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   const float* mp = bits == 4 ? m.data_ptr<float>() : nullptr;
   const uint8_t* cp = (const uint8_t*)codes.data_ptr();
 #if defined(__AVX512F__)
-  if (M <= STREAM_ROWS) {
+  if (M <= stream_rows) {
     at::parallel_for(0, (P + 3) / 4, 1, [&](int64_t begin, int64_t end) {  // 4 panels a task
       for (int64_t p = 4 * begin; p < std::min(4 * end, P); p += 4) {
         const int64_t pn = std::min<int64_t>(4, P - p), cs = K * (bits == 4 ? 8 : 16);
         for (int64_t b = 0; b < B; ++b) {
           const Panel q = {cp + p * cs + 32 * b * (bits == 4 ? 8 : 16), cs, dp + (p * B + b) * 16,
                            bits == 4 ? mp + (p * B + b) * 16 : nullptr, B * 16, yp + 16 * p};
-          if (bits == 4) group16<4>(M, pn, xp + 32 * b, K, q, N);
-          else group16<8>(M, pn, xp + 32 * b, K, q, N);
+          for (int64_t r = 0; r < M;) {  // chunks of at most STREAM_ROWS rows, sizes as even as possible
+            const int64_t left = M - r, groups = (left + STREAM_ROWS - 1) / STREAM_ROWS, R = (left + groups - 1) / groups;
+            Panel qr = q;
+            qr.y = q.y + r * N;
+            if (bits == 4) group16<4>(R, pn, xp + r * K + 32 * b, K, qr, N);
+            else group16<8>(R, pn, xp + r * K + 32 * b, K, qr, N);
+            r += R;
+          }
         }
       }
     });
@@ -177,6 +186,6 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
 // A dispatcher operator, so that torch.compile can call the kernel inside a graph (blocks.py registers
 // its shape function). A build for comparison (MEDUSA_NO_OP) registers none: one library per namespace.
 #ifndef MEDUSA_NO_OP
-TORCH_LIBRARY(medusa_blocks, m) { m.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor"); }
+TORCH_LIBRARY(medusa_blocks, m) { m.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int stream_rows) -> Tensor"); }
 TORCH_LIBRARY_IMPL(medusa_blocks, CPU, m) { m.impl("linear", &blocks_linear); }
 #endif

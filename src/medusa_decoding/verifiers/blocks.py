@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block along the input (Q4_1 and Q8_0)
 PANEL = 16  # output rows the kernel dequantizes together
+STREAM_CHUNK = 8  # rows the kernel's AVX-512 path takes at once (blocks.cpp's STREAM_ROWS)
+ALL_ROWS = 1 << 30  # a stream_rows that sends every row count down the AVX-512 path
 CHECK_ROWS = (1, 2, 3, 5, 8, 9, 13, 33)  # row counts at which each row must equal the one-row product
 TOLERANCE = 1e-5  # relative difference to F.linear on the same fp32 weights that `check` accepts
 SOURCE = Path(__file__).with_name("blocks.cpp")
@@ -59,13 +63,16 @@ class BlockKind(str, Enum):
 class Blocks:
     """A weight [N, K] as the kernel reads it: codes by panels of 16 output rows, k-major (q4_1:
     [N/16, K, 8] bytes, low nibble row i, high nibble row 8 + i; q8_0: [N/16, K, 16] int8), scales d
-    and mins m [N/16, K/32, 16] fp32 (m empty for q8_0)."""
+    and mins m [N/16, K/32, 16] fp32 (m empty for q8_0). stream_rows: the most rows the kernel's
+    AVX-512 path takes (`stream_rows()`, set where a model's layers are put on blocks; the same bits
+    either way)."""
 
     kind: BlockKind
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
     shape: tuple[int, int]
+    stream_rows: int = STREAM_CHUNK
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +219,32 @@ def build(target: str, op: bool = True):
     return module
 
 
-def _linear_shape(x, codes, d, m, bits):
+@functools.cache
+def stream_rows() -> int:
+    """The most rows the kernel's AVX-512 path takes (in chunks of 8) before its AVX2 path: 8, or all
+    of them, whichever multiplies 16 rows faster on this CPU, timed once a process (~0.1 s). Both give
+    the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC Zen 4
+    (256-bit AVX-512 units), the chunks 1.1-1.5x faster on an Intel Xeon with AMX (9-32 rows)."""
+    if isa() != "AVX512" or kernel() is None:
+        return STREAM_CHUNK  # an AVX2 build has one path
+    g = torch.Generator().manual_seed(0)
+    found = recover(quantize(torch.randn(1536, 576, generator=g) * 0.02))  # an MLP up-projection's shape
+    x = torch.randn(16, 576, generator=g)
+    times: dict[int, list[float]] = {STREAM_CHUNK: [], ALL_ROWS: []}
+    for _ in range(5):  # interleaved rounds
+        for limit in times:
+            start = time.perf_counter()
+            for _ in range(10):
+                torch.ops.medusa_blocks.linear(x, found.codes, found.d, found.m, found.kind.bits, limit)
+            times[limit].append(time.perf_counter() - start)
+    best = min(times, key=lambda limit: statistics.median(times[limit]))
+    log.info("block linears: the AVX-512 path takes %s rows (16 rows: %.0f us, AVX2 past 8: %.0f us)",
+             "all" if best == ALL_ROWS else f"up to {STREAM_CHUNK}", statistics.median(times[ALL_ROWS]) / 10 * 1e6,
+             statistics.median(times[STREAM_CHUNK]) / 10 * 1e6)
+    return best
+
+
+def _linear_shape(x, codes, d, m, bits, stream_rows):
     """The operator's output for torch.compile's tracing: x [M, K] -> [M, 16 P]."""
     return x.new_empty(x.shape[0], codes.shape[0] * PANEL)
 
@@ -220,7 +252,7 @@ def _linear_shape(x, codes, d, m, bits):
 def block_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] fp32 -> [..., N], through the operator `kernel()` registered."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.medusa_blocks.linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits)
+    y = torch.ops.medusa_blocks.linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits, blocks.stream_rows)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], blocks.shape[0])
@@ -283,6 +315,9 @@ def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[s
                 found[id(w)] = recover(weights[id(w)])
     if not any(found.values()) or kernel() is None:
         return model, {"stock": len(linears)}
+    for blocks in found.values():
+        if blocks is not None:
+            blocks.stream_rows = stream_rows()
     for name, module in linears:
         blocks = found[id(module.weight)]
         why = None if blocks is None else check(weights[id(module.weight)], blocks, module.bias)
@@ -305,9 +340,10 @@ def blocks_or_none(weight: torch.Tensor) -> Blocks | None:
     if supported(weight) is not None:
         return None
     blocks = recover(weight)
-    if blocks is None or kernel() is None or check(weight, blocks) is not None:
+    if blocks is None or kernel() is None:
         return None
-    return blocks
+    blocks.stream_rows = stream_rows()
+    return blocks if check(weight, blocks) is None else None
 
 
 def recoverable(model) -> bool:
