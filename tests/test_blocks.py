@@ -70,11 +70,11 @@ def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
     g = torch.Generator().manual_seed(2)
     w = blocks.quantize(torch.randn(80, 96, generator=g), kind)  # 5 panels: 4 side by side and one alone
     found = blocks.recover(w)
-    x = torch.randn(20, 96, generator=g)
-    for n in range(1, 21):  # AVX-512 in registers up to 8 rows, then through a buffer or in chunks of <= 8
+    x = torch.randn(40, 96, generator=g)
+    for n in range(1, 41):  # AVX-512 in registers up to 8 rows, then through a buffer or in chunks of <= 16
         theirs = avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits, 0)
         assert torch.equal(blocks.block_linear(x[:n], found, None), theirs), n
-        for limit in (blocks.STREAM_CHUNK, blocks.ALL_ROWS):  # either choice of stream_rows()
+        for limit in (blocks.FEW_ROWS, blocks.ALL_ROWS):  # either choice of stream_rows()
             ours = torch.ops.medusa_blocks.linear(x[:n], found.codes, found.d, found.m, kind.bits, limit)
             assert torch.equal(ours, theirs), (n, limit)
 

@@ -74,13 +74,14 @@ static inline void rows_block(const float* x, int64_t M, int64_t K, const float*
 
 #if defined(__AVX512F__)
 // AVX-512: a panel's 16 outputs are one register, each block's weights are dequantized k by k in
-// registers and used at once (no buffer) for up to STREAM_ROWS rows, up to 4 panels side by side (one
-// fma chain alone would wait on its own latency). Past `stream_rows` rows (the caller's choice, timed
-// per machine in blocks.py) the AVX2 code above takes them: it dequantizes a block once for all rows,
-// which was faster on the AMD EPYC Zen 4 (256-bit AVX-512 units); on an Intel Xeon with two 512-bit
-// FMA units rows in chunks of 8 here were 1.1-1.5x faster at 9-32 rows. Each output is the same fma
+// registers and used at once (no buffer) for a chunk of up to STREAM_ROWS rows, up to 4 panels side by
+// side for few rows (one fma chain alone would wait on its own latency; 9-16 rows keep 9-16 chains in
+// flight on one panel, 16 accumulators). Past `stream_rows` rows (the caller's choice, timed per
+// machine in blocks.py) the AVX2 code above takes them: it dequantizes a block once for all rows,
+// which was faster past 8 rows on the AMD EPYC Zen 4 (256-bit AVX-512 units); on an Intel Xeon with
+// two 512-bit FMA units the chunks here were 1.2-1.6x faster at 9-32 rows. Each output is the same fma
 // chain over k on every path, so every build, path and chunking gives the same bits.
-constexpr int64_t STREAM_ROWS = 8;
+constexpr int64_t STREAM_ROWS = 16;
 template <int BITS>
 static inline __m512 weights16(const uint8_t* c, __m512 d, __m512 m, int k) {
   if (BITS == 4) {
@@ -128,7 +129,8 @@ static inline void group16(int64_t R, int64_t pn, const float* x, int64_t K, Pan
       micro16<n, 1, BITS>(x, K, {q.c + j * q.cs, q.cs, q.d + j * q.ds, q.m ? q.m + j * q.ds : nullptr, \
                                  q.ds, q.y + 16 * j}, N);                                              \
     break;
-    MEDUSA_CASE(8) MEDUSA_CASE(7) MEDUSA_CASE(6) MEDUSA_CASE(5) MEDUSA_CASE(4) MEDUSA_CASE(3) MEDUSA_CASE(2)
+    MEDUSA_CASE(16) MEDUSA_CASE(15) MEDUSA_CASE(14) MEDUSA_CASE(13) MEDUSA_CASE(12) MEDUSA_CASE(11) MEDUSA_CASE(10)
+    MEDUSA_CASE(9) MEDUSA_CASE(8) MEDUSA_CASE(7) MEDUSA_CASE(6) MEDUSA_CASE(5) MEDUSA_CASE(4) MEDUSA_CASE(3) MEDUSA_CASE(2)
     MEDUSA_CASE(1)
 #undef MEDUSA_CASE
   }

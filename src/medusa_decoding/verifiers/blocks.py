@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block along the input (Q4_1 and Q8_0)
 PANEL = 16  # output rows the kernel dequantizes together
-STREAM_CHUNK = 8  # rows the kernel's AVX-512 path takes at once (blocks.cpp's STREAM_ROWS)
-ALL_ROWS = 1 << 30  # a stream_rows that sends every row count down the AVX-512 path
+FEW_ROWS = 8  # a stream_rows that keeps the AVX-512 path to few rows, the AVX2 path above
+ALL_ROWS = 1 << 30  # a stream_rows that sends every row count down the AVX-512 path (chunks of <= 16)
 CHECK_ROWS = (1, 2, 3, 5, 8, 9, 13, 33)  # row counts at which each row must equal the one-row product
 TOLERANCE = 1e-5  # relative difference to F.linear on the same fp32 weights that `check` accepts
 SOURCE = Path(__file__).with_name("blocks.cpp")
@@ -72,7 +72,7 @@ class Blocks:
     d: torch.Tensor
     m: torch.Tensor
     shape: tuple[int, int]
-    stream_rows: int = STREAM_CHUNK
+    stream_rows: int = FEW_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -221,16 +221,16 @@ def build(target: str, op: bool = True):
 
 @functools.cache
 def stream_rows() -> int:
-    """The most rows the kernel's AVX-512 path takes (in chunks of 8) before its AVX2 path: 8, or all
-    of them, whichever multiplies 16 rows faster on this CPU, timed once a process (~0.1 s). Both give
-    the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC Zen 4
-    (256-bit AVX-512 units), the chunks 1.1-1.5x faster on an Intel Xeon with AMX (9-32 rows)."""
+    """The most rows the kernel's AVX-512 path takes (in chunks of <= 16) before its AVX2 path: 8, or
+    all of them, whichever multiplies 16 rows faster on this CPU, timed once a process (~0.1 s). Both
+    give the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC
+    Zen 4 (256-bit AVX-512 units), the chunks 1.2-1.6x faster on an Intel Xeon with AMX (9-32 rows)."""
     if isa() != "AVX512" or kernel() is None:
-        return STREAM_CHUNK  # an AVX2 build has one path
+        return FEW_ROWS  # an AVX2 build has one path
     g = torch.Generator().manual_seed(0)
     found = recover(quantize(torch.randn(1536, 576, generator=g) * 0.02))  # an MLP up-projection's shape
     x = torch.randn(16, 576, generator=g)
-    times: dict[int, list[float]] = {STREAM_CHUNK: [], ALL_ROWS: []}
+    times: dict[int, list[float]] = {FEW_ROWS: [], ALL_ROWS: []}
     for _ in range(5):  # interleaved rounds
         for limit in times:
             start = time.perf_counter()
@@ -239,8 +239,8 @@ def stream_rows() -> int:
             times[limit].append(time.perf_counter() - start)
     best = min(times, key=lambda limit: statistics.median(times[limit]))
     log.info("block linears: the AVX-512 path takes %s rows (16 rows: %.0f us, AVX2 past 8: %.0f us)",
-             "all" if best == ALL_ROWS else f"up to {STREAM_CHUNK}", statistics.median(times[ALL_ROWS]) / 10 * 1e6,
-             statistics.median(times[STREAM_CHUNK]) / 10 * 1e6)
+             "all" if best == ALL_ROWS else f"up to {FEW_ROWS}", statistics.median(times[ALL_ROWS]) / 10 * 1e6,
+             statistics.median(times[FEW_ROWS]) / 10 * 1e6)
     return best
 
 
