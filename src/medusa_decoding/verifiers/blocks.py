@@ -224,7 +224,8 @@ def stream_rows() -> int:
     """The most rows the kernel's AVX-512 path takes (in chunks of <= 16) before its AVX2 path: 8, or
     all of them, whichever multiplies 16 rows faster on this CPU, timed once a process (~0.1 s). Both
     give the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC
-    Zen 4 (256-bit AVX-512 units), the chunks 1.2-1.6x faster on an Intel Xeon with AMX (9-32 rows)."""
+    Zen 4 (256-bit AVX-512 units); on an Intel Xeon with AMX the chunks made an eager step of 12-32
+    nodes 1.15-1.23x faster (docs/ENGINE.md)."""
     if isa() != "AVX512" or kernel() is None:
         return FEW_ROWS  # an AVX2 build has one path
     g = torch.Generator().manual_seed(0)
