@@ -271,6 +271,19 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
         os.environ["MEDUSA_CACHE"] = before
 
 
+def test_a_step_reading_feature_layers_compiles_on_a_model_that_never_ran(tmp_path):
+    """The background builder compiles on a fresh model: for a drafter that reads several layers (the
+    shipped fused hydra), transformers installs its output-capturing hooks on the first such forward,
+    under a lock dynamo cannot trace; every builder failed there until build_graph ran one eager step."""
+    from medusa_decoding.verifiers.compiled import build_graph, dummy_args
+
+    fast = tiny_llama(max_positions=512)
+    use_fast_attention(fast)
+    with torch.inference_mode():
+        build_graph(dummy_args(fast, (1, 4, 64, 128, 1, (0, 2))), tmp_path / "step.pt2")
+    assert (tmp_path / "step.pt2").is_file()
+
+
 def test_compile_auto_pauses_a_builder_while_it_decodes_and_resumes_it_when_idle(tmp_path):
     """A builder at work on the folder (here a stand-in process holding its lock) is stopped at the
     first step and continued when the last cache is released: on 2 cores a compiler beside a

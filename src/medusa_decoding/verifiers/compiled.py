@@ -126,6 +126,8 @@ def dummy_args(model, shape: tuple) -> tuple:
 
 def build_graph(args: tuple, path: Path):
     """Compile the step for `args`' shapes ahead of time and save it at `path` -> the graph."""
+    if args[-1] is not None:  # feature layers: transformers installs its output-capturing hooks on the first
+        _forward(*args)       # such forward, under a lock dynamo cannot trace (a fresh builder process failed)
     # keep only tensor-metadata guards: the rest (module identities) cannot be saved
     compiler = torch.compile(_forward, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
