@@ -62,7 +62,7 @@ def test_the_kernel_computes_with_exactly_the_recovered_weights_and_rows_alone(k
     assert blocks.check(w, found) is None
 
 
-@pytest.mark.skipif(blocks.isa() != "AVX512", reason="the AVX-512 path needs an AVX-512 CPU")
+@pytest.mark.skipif(blocks.isa() == "AVX2", reason="the AVX-512 path needs an AVX-512 CPU")
 @pytest.mark.parametrize("kind", list(blocks.BlockKind))
 def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
     avx2 = blocks.build("AVX2", op=False)  # a second build, without the operator
@@ -72,11 +72,35 @@ def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
     found = blocks.recover(w)
     x = torch.randn(40, 96, generator=g)
     for n in range(1, 41):  # AVX-512 in registers up to 8 rows, then through a buffer or in chunks of <= 16
-        theirs = avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits, 0)
+        theirs = avx2.blocks_linear(x[:n], found.codes, found.d, found.m, kind.bits, 0, False)
         assert torch.equal(blocks.block_linear(x[:n], found, None), theirs), n
         for limit in (blocks.FEW_ROWS, blocks.ALL_ROWS):  # either choice of stream_rows()
-            ours = torch.ops.medusa_blocks.linear(x[:n], found.codes, found.d, found.m, kind.bits, limit)
+            ours = torch.ops.medusa_blocks.linear(x[:n], found.codes, found.d, found.m, kind.bits, limit, False)
             assert torch.equal(ours, theirs), (n, limit)
+
+
+
+@pytest.mark.skipif(blocks.isa() != "AMX", reason="the AMX path needs a CPU with AMX tiles and AVX-512 bf16")
+@pytest.mark.parametrize("kind", list(blocks.BlockKind))
+def test_the_amx_path_computes_each_weight_exactly_and_each_row_alone_at_every_row_count(kind):
+    """On the tile unit: x split into three bf16 pieces, codes exact in bf16, d (and m) applied per
+    block. Each weight comes back bit for bit, each row of 1-40 rows (one or more tiles of <= 16 rows)
+    is the one-row product, the sums are F.linear's within the tolerance, and check() runs it."""
+    assert blocks.amx_ready()
+    g = torch.Generator().manual_seed(5)
+    w = blocks.quantize(torch.randn(80, 192, generator=g), kind)  # 5 panels, 6 blocks
+    found = blocks.to_amx(blocks.recover(w))
+    assert found.amx and found.codes.shape == ((5, 96, 16) if kind is blocks.BlockKind.Q4_1 else (5, 192, 16))
+    assert torch.equal(blocks.block_linear(torch.eye(192), found, None).T, w)
+    x = torch.randn(40, 192, generator=g) * torch.logspace(-3, 3, 192)  # pieces at many scales
+    alone = torch.cat([blocks.block_linear(x[i:i + 1], found, None) for i in range(40)])
+    for n in range(1, 41):
+        assert torch.equal(blocks.block_linear(x[:n], found, None), alone[:n]), n
+    ref = F.linear(x.double(), w.double()).float()
+    assert float((alone - ref).abs().max() / ref.abs().max()) < blocks.TOLERANCE
+    assert blocks.check(w, found) is None
+    found.codes[1, 7, 3] ^= 0x10  # one code of one weight
+    assert "off by" in blocks.check(w, found)
 
 
 @needs_kernel
@@ -96,9 +120,10 @@ def test_a_lossy_copy_puts_weights_that_are_not_blocks_on_q8_0_blocks_of_their_o
     with torch.no_grad():
         net[0].weight.copy_(blocks.quantize(net[0].weight))  # Q4_1 values already: recovered as they are
         before = net[2].weight.clone()
-    assert blocks.block_copy(net)[1] == {"q4_1": 1, "stock": 1}
+    amx = " on AMX" if blocks.amx_ready() else ""
+    assert blocks.block_copy(net)[1] == {"q4_1" + amx: 1, "stock": 1}
     copy, counts = blocks.block_copy(net, lossy=blocks.BlockKind.Q8_0)
-    assert counts == {"q4_1": 1, "q8_0 of fp32": 1}
+    assert counts == {"q4_1" + amx: 1, "q8_0 of fp32" + amx: 1}
     assert all(isinstance(copy[i], blocks.BlockLinear) for i in (0, 2))
     assert torch.equal(net[2].weight, before) and isinstance(net[2], nn.Linear)  # the module is left as it was
     x = torch.randn(5, 64, generator=g)
