@@ -196,6 +196,21 @@ static inline void block_tile(const uint8_t* codes, int64_t b, uint16_t* buf, __
   else codes_tile_q8(codes + b * 512, buf);
 }
 
+// One block's sums s [R, 16] = x's pieces (tiles 0-2, from a) times its weight tile w, in tiles W and S
+// (a macro: gcc's tile intrinsics paste their tile number into the instruction).
+#define MEDUSA_TILE_SUMS(W, S, a, piece_stride, K, w, s) \
+  do {                                                   \
+    _tile_loadd(W, w, 64);                               \
+    _tile_loadd(0, a, K * 2);                            \
+    _tile_loadd(1, a + piece_stride, K * 2);             \
+    _tile_loadd(2, a + 2 * piece_stride, K * 2);         \
+    _tile_zero(S);                                       \
+    _tile_dpbf16ps(S, 0, W);                             \
+    _tile_dpbf16ps(S, 1, W);                             \
+    _tile_dpbf16ps(S, 2, W);                             \
+    _tile_stored(S, s, 64);                              \
+  } while (0)
+
 // R rows (at most 16) x one panel over every block; the tile products of block b run while block b - 1's
 // sums are scaled into the R accumulators, and block b + 1's codes are made into a tile.
 template <int R, int BITS>
@@ -221,32 +236,14 @@ static void amx_panel(const uint16_t* pieces, int64_t piece_stride, int64_t K, c
   for (int64_t b = 0; b < B; ++b) {
     const uint16_t* a = pieces + 32 * b;
     if (b + 1 < B) block_tile<BITS>(codes, b + 1, tiles[(b + 1) & 1], table);  // a block ahead: a tile load
-    if (b & 1) {                                                                    // waits for stores to land
-      _tile_loadd(4, tiles[1], 64);
-      _tile_loadd(0, a, K * 2);
-      _tile_loadd(1, a + piece_stride, K * 2);
-      _tile_loadd(2, a + 2 * piece_stride, K * 2);
-      _tile_zero(6);
-      _tile_dpbf16ps(6, 0, 4);
-      _tile_dpbf16ps(6, 1, 4);
-      _tile_dpbf16ps(6, 2, 4);
-      _tile_stored(6, s[1], 64);
-    } else {
-      _tile_loadd(3, tiles[0], 64);
-      _tile_loadd(0, a, K * 2);
-      _tile_loadd(1, a + piece_stride, K * 2);
-      _tile_loadd(2, a + 2 * piece_stride, K * 2);
-      _tile_zero(5);
-      _tile_dpbf16ps(5, 0, 3);
-      _tile_dpbf16ps(5, 1, 3);
-      _tile_dpbf16ps(5, 2, 3);
-      _tile_stored(5, s[0], 64);
-    }
+    if (b & 1) MEDUSA_TILE_SUMS(4, 6, a, piece_stride, K, tiles[1], s[1]);          // waits for stores to land
+    else MEDUSA_TILE_SUMS(3, 5, a, piece_stride, K, tiles[0], s[0]);
     if (b > 0) scale(b - 1);
   }
   scale(B - 1);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
+#undef MEDUSA_TILE_SUMS
 
 // x [M, K] -> y [M, N] on a Q4_1 layer's codes in the AMX layout [P, K/2, 16], or a Q8_0 layer's [P, K, 16]
 static torch::Tensor amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits) {
