@@ -187,16 +187,35 @@ def isa() -> str:
     return "AMX" if amx and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "AVX512"
 
 
+FALLBACK = {"AMX": "AVX512", "AVX512": "AVX2"}  # the build to try next where one does not build
+
+
 def source_tag(target: str | None = None) -> str:
-    """What the built kernel depends on: its source, torch's version and the instruction set."""
-    return hashlib.sha256((SOURCE.read_text() + torch.__version__ + (target or isa())).encode()).hexdigest()[:12]
+    """What the built kernel depends on: its source, torch's version and the instruction set (default:
+    the one this process runs, `kernel_target()`)."""
+    target = target or kernel_target() or isa()
+    return hashlib.sha256((SOURCE.read_text() + torch.__version__ + target).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def kernel_target() -> str | None:
+    """The instruction set of the kernel this process runs: `isa()`, or the next one down (FALLBACK)
+    where that build fails (a compiler older than gcc 11 has no AMX), or None where none builds."""
+    target = isa()
+    while target is not None:
+        if build(target) is not None:
+            return target
+        target = FALLBACK.get(target)
+    log.warning("block linears off: the kernel did not build here (the stock layers stay)")
+    return None
 
 
 def kernel():
     """The compiled blocks.cpp for this CPU (built once per machine and source, ~45 s, under
     $MEDUSA_CACHE/kernels), registered as the operator torch.ops.medusa_blocks.linear; or None, with the
     reason logged, where it cannot be built."""
-    return build(isa())
+    target = kernel_target()
+    return None if target is None else build(target)
 
 
 @functools.cache
@@ -219,8 +238,8 @@ def build(target: str, op: bool = True):
             extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *ISA_FLAGS[target],
                           *([] if op else ["-DMEDUSA_NO_OP"])],
             extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, no headers: the stock layers stay
-        log.warning("block linears off: the kernel did not build (%s)", str(e).splitlines()[0] if str(e) else e)
+    except Exception as e:  # no compiler, no ninja, no headers, no AMX in the compiler
+        log.warning("the %s block-linear kernel did not build (%s)", target, str(e).splitlines()[0] if str(e) else e)
         return None
     if op:
         torch.library.register_fake("medusa_blocks::linear")(_linear_shape)
@@ -234,7 +253,7 @@ def stream_rows() -> int:
     give the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC
     Zen 4 (256-bit AVX-512 units); on an Intel Xeon with AMX the chunks made an eager step of 12-32
     nodes 1.15-1.23x faster (docs/ENGINE.md)."""
-    if isa() != "AVX512" or kernel() is None:
+    if kernel_target() not in ("AVX512", "AMX"):
         return FEW_ROWS  # an AVX2 build has one path
     g = torch.Generator().manual_seed(0)
     found = recover(quantize(torch.randn(1536, 576, generator=g) * 0.02))  # an MLP up-projection's shape
@@ -260,8 +279,7 @@ def amx_ready() -> bool:
     timed), because the AMX sums are not the AVX paths' bits. On the Xeon (2 threads), Q4_1 layers ran
     1.0-1.6x faster at one row and 1.1-2.0x at 16, the Q8_0 LM head 0.92x at one row, 1.5x at 4 and
     2.4x at 16 (docs/ENGINE.md)."""
-    module = kernel() if isa() == "AMX" else None
-    return module is not None and bool(module.amx_ready())
+    return kernel_target() == "AMX" and bool(kernel().amx_ready())
 
 
 def to_amx(blocks: Blocks) -> Blocks:
