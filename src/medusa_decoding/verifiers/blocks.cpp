@@ -140,17 +140,18 @@ static inline void group16(int64_t R, int64_t pn, const float* x, int64_t K, Pan
 #if defined(MEDUSA_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <array>
 #include <cstring>
-// AMX (Intel Xeon 4th gen and later): Q4_1 layers on the tile unit. A tile product TDPBF16PS (16 rows x
-// 32 k x 16 outputs, fp32 sums) costs ~6 ns whether it carries 1 row or 16, so up to 16 rows cost about
-// what one costs. Its inputs are bf16: each fp32 row x is split exactly into three bf16 pieces
-// x = hi + mid + lo (8 + 8 + 8 significant bits), and a block's codes q (0..15) are exact in bf16, so
-// every product x q is exact and the tile unit only rounds its fp32 sums. Per block (32 k) and panel
-// (16 outputs): s = sum_k x[k] q[k] from three tile products, then y = fma(s, d, y), y = fma(sum_k x[k],
-// m, y), blocks in order: fl(d q) + m is not formed, so the sums differ from the AVX paths' chains in the
-// last bits (relative ~3e-7 to F.linear, the AVX paths ~1e-6), and each row is computed alone: a row's
-// result does not depend on the other rows. Measured on the Xeon (one thread, us, 1 / 8 / 16 rows):
-// 1536 x 576 88 / 95 / 133 against 95 / 176 / 306 on the AVX-512 path.
+// AMX (Intel Xeon 4th gen and later): Q4_1 and Q8_0 layers on the tile unit. A tile product TDPBF16PS (16
+// rows x 32 k x 16 outputs, fp32 sums) costs ~6 ns whether it carries 1 row or 16, so up to 16 rows cost
+// about what one costs. Its inputs are bf16: each fp32 row x is split exactly into three bf16 pieces
+// x = hi + mid + lo (8 + 8 + 8 significant bits), and a block's codes q (0..15, -128..127) are exact in
+// bf16, so every product x q is exact and the tile unit only rounds its fp32 sums. Per block (32 k) and
+// panel (16 outputs): s = sum_k x[k] q[k] from three tile products, then y = fma(s, d, y) (and for Q4_1
+// y = fma(sum_k x[k], m, y)), blocks in order: fl(d q) + m is not formed, so the sums differ from the AVX
+// paths' chains in the last bits (relative 1-7e-7 to F.linear, the AVX paths 6-15e-7), and each row is
+// computed alone: a row's result does not depend on the other rows. Measured on the Xeon (one thread, us,
+// 1 / 16 rows): 1536 x 576 59 / 121 against 101 / 339 on the AVX-512 path (docs/ENGINE.md).
 static bool amx_permission() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -165,6 +166,16 @@ static void configure(int R) {
   c.palette = 1;
   for (int t = 0; t < 7; ++t) { c.rows[t] = (t == 3 || t == 4) ? 16 : R; c.colsb[t] = 64; }
   _tile_loadconfig(&c);
+}
+
+// bf16 bits of 0..15, twice (the 32 entries of a 16-bit table lookup), made once.
+static const std::array<uint16_t, 32>& nibble_table() {
+  alignas(64) static const std::array<uint16_t, 32> entries = [] {
+    std::array<uint16_t, 32> t{};
+    for (int v = 0; v < 32; ++v) { const float f = (float)(v & 15); uint32_t u; std::memcpy(&u, &f, 4); t[v] = u >> 16; }
+    return t;
+  }();
+  return entries;
 }
 
 // One block of a panel's codes in the AMX layout (16 bytes a k-pair, byte n: q[n, 2i] | q[n, 2i + 1] << 4)
@@ -276,9 +287,7 @@ static torch::Tensor amx_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
   const float* dp = d.data_ptr<float>();
   const float* mp = bits == 4 ? m.data_ptr<float>() : nullptr;
   const uint8_t* cp = (const uint8_t*)codes.data_ptr();
-  alignas(64) uint16_t entries[32];
-  for (int v = 0; v < 32; ++v) { const float f = (float)(v & 15); uint32_t u; std::memcpy(&u, &f, 4); entries[v] = u >> 16; }
-  const __m512i table = _mm512_load_si512(entries);
+  const __m512i table = _mm512_load_si512(nibble_table().data());
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     int configured = 0;  // the tile configuration is each thread's own
     for (int64_t r0 = 0; r0 < M; r0 += 16) {

@@ -9,7 +9,9 @@ only where fl(fl(d q) + m) gives every fp32 weight back bit for bit; `blocks.cpp
 the blocks (dequantizing 16 output rows at a time into a small buffer; on an AVX-512 CPU, up to 8
 input rows take the weights straight from registers, 4 panels side by side), so the layer computes
 with the model's own weights, only read in a fifth of the bytes. The AVX2 and AVX-512 builds give
-the same bits (`tests/test_blocks.py` builds both where it can).
+the same bits (`tests/test_blocks.py` builds both where it can). On a CPU with AMX tiles every layer
+runs on the tile unit instead (`amx_ready`): x split exactly into three bf16 pieces, the codes exact
+in bf16, so only the fp32 sums round (other last bits than the AVX paths; each row still alone).
 
 Each output is one chain y = fma(w[k], x[k], y) over k in order, whatever the number of rows and
 threads: each row of a product is the one-row product (checked by `check`), so plain and speculative
@@ -23,6 +25,7 @@ GGUF's blocks".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -65,8 +68,8 @@ class Blocks:
     [N/16, K, 8] bytes, low nibble row i, high nibble row 8 + i; q8_0: [N/16, K, 16] int8), scales d
     and mins m [N/16, K/32, 16] fp32 (m empty for q8_0). stream_rows: the most rows the kernel's
     AVX-512 path takes (`stream_rows()`, set where a model's layers are put on blocks; the same bits
-    either way). amx: the kernel's AMX path takes every row count (q4_1 codes in its layout)
-    (its sums differ from the AVX paths' in the last bits; `amx_ready()` decides, per machine)."""
+    either way). amx: the kernel's AMX path takes every row count, q4_1 codes in its layout (its
+    sums differ from the AVX paths' in the last bits; `amx_ready()` decides, per machine)."""
 
     kind: BlockKind
     codes: torch.Tensor
@@ -277,7 +280,7 @@ def amx_ready() -> bool:
     """Whether layers go to the kernel's AMX path here: the CPU has the tiles (`isa()`), the kernel built
     with them, and the OS grants this process the tile state. A deterministic choice per machine (not
     timed), because the AMX sums are not the AVX paths' bits. On the Xeon (2 threads), Q4_1 layers ran
-    1.0-1.6x faster at one row and 1.1-2.0x at 16, the Q8_0 LM head 0.92x at one row, 1.5x at 4 and
+    1.06-1.6x faster at one row and 1.15-1.9x at 16, the Q8_0 LM head 0.92x at one row, 1.5x at 4 and
     2.4x at 16 (docs/ENGINE.md)."""
     return kernel_target() == "AMX" and bool(kernel().amx_ready())
 
@@ -285,21 +288,17 @@ def amx_ready() -> bool:
 def to_amx(blocks: Blocks) -> Blocks:
     """Blocks -> the same blocks for the kernel's AMX path: Q4_1 codes in the AMX layout [P, K/2, 16]
     (byte n of k-pair i: q[n, 2i] | q[n, 2i + 1] << 4), Q8_0 codes as they are."""
-    if blocks.amx:
-        return blocks
-    if blocks.kind is BlockKind.Q8_0:
-        return Blocks(blocks.kind, blocks.codes, blocks.d, blocks.m, blocks.shape, blocks.stream_rows, amx=True)
+    if blocks.amx or blocks.kind is BlockKind.Q8_0:
+        return dataclasses.replace(blocks, amx=True)
     q = torch.cat([blocks.codes & 15, blocks.codes >> 4], -1)  # [P, K, 16]: output rows 0-7, then 8-15
     q = q.reshape(q.shape[0], -1, 2, PANEL)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
-    return Blocks(blocks.kind, codes, blocks.d, blocks.m, blocks.shape, blocks.stream_rows, amx=True)
+    return dataclasses.replace(blocks, codes=(q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), amx=True)
 
 
 def for_this_machine(blocks: Blocks) -> Blocks:
-    """Blocks as this machine's kernel runs them fastest: `stream_rows()` set, and on the AMX path where
-    `amx_ready()`."""
-    blocks.stream_rows = stream_rows()
-    return to_amx(blocks) if amx_ready() else blocks
+    """Blocks as this machine's kernel runs them fastest: on the AMX path where `amx_ready()`, else with
+    `stream_rows()` (timed on the AVX-512 path, which an AMX machine does not run)."""
+    return to_amx(blocks) if amx_ready() else dataclasses.replace(blocks, stream_rows=stream_rows())
 
 
 def _linear_shape(x, codes, d, m, bits, stream_rows, amx):
