@@ -1,0 +1,142 @@
+"""Replay n-gram branch settings over known answers: which chain length beside the drafter's tree and
+which copy_run pay on this machine, without decoding once per setting.
+
+    .venv/bin/python scripts/replay_ngram.py --suite sharegpt --limit 48 --compiled
+    .venv/bin/python scripts/replay_ngram.py --suite spec-bench --limit 4 --compiled  # 4 first turns a category
+
+For each prompt: its plain greedy answer, then one forward over prompt + answer for the base's hidden
+states at every position, and at every position the drafter's tree (at --budget) and the chain the
+n-gram lookup finds there. A setting is replayed step by step: a step rooted at answer position i
+accepts as far as its branches agree with the answer (greedy acceptance is exactly that), costs
+t(nodes)/t(1) + the drafting from this machine's cost curve (--compiled: the saved compiled step's,
+costs.compiled_costs, what compile mode auto runs once its graphs are built; else the eager step's), and the next step is rooted at i + 1 + accepted; after a step that accepted
+copy_run chain tokens the next one verifies the copy chain alone (ngram.py). Prints each setting's
+expected speed-up over plain decoding, per-prompt median and mean, overall and by category.
+The trees come from features computed in one forward over the whole answer, not step by step:
+the same up to the last bits of fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from medusa_decoding import costs
+from medusa_decoding.bench.prompts import load_suite, select
+from medusa_decoding.config import CompileMode, NgramConfig
+from medusa_decoding.engine import MedusaModel, make_backend, shipped_heads
+from medusa_decoding.proposers.ngram import lookup
+
+
+def agreed(tokens: np.ndarray, answer: np.ndarray) -> int:
+    """Leading tokens of a chain equal to the answer's (at most the answer's length)."""
+    n = min(len(tokens), len(answer))
+    same = tokens[:n] == answer[:n]
+    return n if same.all() else int(np.argmin(same))
+
+
+def tree_agreed(tokens: list[int], parent: list[int], answer: np.ndarray) -> int:
+    """Depth of the tree's longest branch (root first) that follows the answer from the root."""
+    node = 0
+    for depth, token in enumerate(answer.tolist()):
+        node = next((i for i in range(node + 1, len(tokens)) if parent[i] == node and tokens[i] == token), None)
+        if node is None:
+            return depth
+    return len(answer)
+
+
+@torch.inference_mode()
+def branches(model, text: str, budget: int, max_new_tokens: int, longest: int) -> dict:
+    """The plain answer to `text`, and at each of its positions what the tree and the chain agree with."""
+    ids = model.encode(text).reshape(-1)
+    answer = np.array(model.generate(ids, max_new_tokens=max_new_tokens, use_medusa=False).token_ids)
+    verifier = model.verifier()
+    row, _, hidden = verifier.add(torch.cat([ids, torch.from_numpy(answer)]), 8)  # hidden [T, k D]
+    verifier.release(row)
+    context = np.concatenate([ids.numpy(), answer])
+    proposer, start = model.drafter.proposer(), ids.numel()
+    tree, chain = [], []
+    for i in range(len(answer) - 1):
+        proposer.observe(hidden[start + i - 1: start + i], torch.tensor(answer[i: i + 1]), None)
+        p = proposer.propose(torch.tensor(int(answer[i])), budget)
+        tree.append(tree_agreed(p.tokens.tolist(), p.tree.parent.tolist(), answer[i + 1:]))
+        found = lookup(context[: start + i + 1], NgramConfig(length=longest), longest)
+        chain.append(-1 if found is None else agreed(found, answer[i + 1:]))
+    return {"tree": tree, "chain": chain}
+
+
+def replay(known: dict, cost, budget: int, length: int | None, copy_run: int, copy_length: int) -> float:
+    """Expected speed-up over plain decoding of one setting on one answer (length None: no chain).
+    cost(n, drafted) -> a step's cost relative to a plain one; budget: the tree's nodes."""
+    tree, chain = known["tree"], known["chain"]
+    i, spent, copying = 0, 0.0, False
+    while i < len(tree):
+        found = chain[i] >= 0 and length is not None
+        if copying and found:  # the copy chain alone
+            accepted, spent, on_chain = min(chain[i], copy_length), spent + cost(1 + copy_length, False), True
+        elif found:
+            accepted = max(tree[i], min(chain[i], length))
+            spent, on_chain = spent + cost(budget + length, True), min(chain[i], length) > tree[i]
+        else:
+            accepted, spent, on_chain = tree[i], spent + cost(budget, True), False
+        accepted = min(accepted, len(tree) - 1 - i)
+        copying = on_chain and 0 < copy_run <= accepted
+        i += 1 + accepted
+    return len(tree) / spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", default="sharegpt", help="sharegpt (held-out first turns) or spec-bench")
+    ap.add_argument("--limit", type=int, default=48, help="prompts (sharegpt) or prompts a category (spec-bench)")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budget", type=int, default=None, help="the tree's nodes (default: fitted to this machine)")
+    ap.add_argument("--compiled", action="store_true", help="the compiled step's costs (its one-node graph must be saved)")
+    ap.add_argument("--settings", default="0:0,1:1,2:2,2:3,3:2,3:3,4:2,4:4,8:2,8:4",
+                    help="length:copy_run pairs (length 0: the tree alone)")
+    args = ap.parse_args()
+    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads=shipped_heads("smollm2-135m-instruct"),
+                                        dtype="auto", device="cpu", ngram=NgramConfig())
+    settings = [tuple(map(int, s.split(":"))) for s in args.settings.split(",")]
+    copy_length = NgramConfig().copy_length
+    sizes = sorted({1, 1 + copy_length} | {n for b in costs.BUDGETS for n in [b] + [b + L for L, _ in settings]})
+    ((curve, path, _),) = costs.machine_curves(model, sizes, model.drafter, list(costs.BUDGETS)).values()
+    if args.compiled and curve.compiled is None:
+        compiled = make_backend(model.base, CompileMode.AUTO)
+        curve.compiled = costs.compiled_ratio(model.backend, compiled, model.drafter.feature_layers)
+        if curve.compiled is None:
+            raise SystemExit("no saved one-node graph on this machine yet: run `medusa generate` once (compile mode "
+                             "auto builds it in the background), then again")
+        costs.save_curve(curve, path)
+    verify, draft = costs.compiled_costs(curve) if args.compiled else (curve.verify, curve.draft)
+    draft = draft[costs.drafter_key(model.drafter)]
+    budget_nodes = args.budget or costs.choose_budget(model.drafter.acceptance(), verify, draft)[0]
+    drafting = draft[budget_nodes]
+    print(f"cost curve: {path}")
+    print(f"budget {budget_nodes}, {'compiled' if args.compiled else 'eager'} costs: tree {costs.interpolate(verify, budget_nodes) + drafting:.2f}, "
+          f"chain alone {costs.interpolate(verify, 1 + copy_length):.2f} plain steps")
+
+    def cost(n: int, drafted: bool) -> float:
+        return costs.interpolate(verify, n) + (drafting if drafted else 0.0)
+
+    prompts = load_suite(args.suite, args.limit if args.suite == "sharegpt" else None)
+    prompts = select(prompts, args.limit, 1) if args.suite != "sharegpt" else prompts[: args.limit]
+    known = [(p.category, branches(model, p.turns[0], budget_nodes, args.max_new_tokens, copy_length))
+             for p in prompts]
+    for length, copy_run in settings:
+        by = defaultdict(list)
+        for category, k in known:
+            if len(k["tree"]):
+                by[category].append(replay(k, cost, budget_nodes, length or None, copy_run, copy_length))
+        every = [r for rs in by.values() for r in rs]
+        what = f"chain {length}, copy_run {copy_run}" if length else "tree alone"
+        cats = " ".join(f"{c[:6]} {statistics.median(rs):.2f}" for c, rs in by.items()) if len(by) > 1 else ""
+        print(f"{what:24s} x{statistics.median(every):.3f} median, x{statistics.mean(every):.3f} mean  {cats}")
+
+
+if __name__ == "__main__":
+    main()
