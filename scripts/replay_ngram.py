@@ -9,11 +9,11 @@ states at every position, and at every position the drafter's tree (at --budget)
 n-gram lookup finds there. A setting is replayed step by step: a step rooted at answer position i
 accepts as far as its branches agree with the answer (greedy acceptance is exactly that), costs
 t(nodes)/t(1) + the drafting from this machine's cost curve (--compiled: the saved compiled step's,
-costs.compiled_costs, what compile mode auto runs once its graphs are built; else the eager step's), and the next step is rooted at i + 1 + accepted; after a step that accepted
-copy_run chain tokens the next one verifies the copy chain alone (ngram.py). Prints each setting's
-expected speed-up over plain decoding, per-prompt median and mean, overall and by category.
-The trees come from features computed in one forward over the whole answer, not step by step:
-the same up to the last bits of fp32.
+costs.compiled_costs, what compile mode auto runs once its graphs are built; else the eager step's),
+and the next step is rooted at i + 1 + accepted; after a step that accepted copy_run chain tokens
+the next one verifies the copy chain alone (ngram.py). Prints each setting's expected speed-up over
+plain decoding, per-prompt median and mean, overall and by category. The trees come from features
+computed in one forward over the whole answer, not step by step: the same up to rounding.
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def main() -> None:
     ap.add_argument("--suite", default="sharegpt", help="sharegpt (held-out first turns) or spec-bench")
     ap.add_argument("--limit", type=int, default=48, help="prompts (sharegpt) or prompts a category (spec-bench)")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
-    ap.add_argument("--budget", type=int, default=None, help="the tree's nodes (default: fitted to this machine)")
-    ap.add_argument("--compiled", action="store_true", help="the compiled step's costs (its one-node graph must be saved)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="the tree's nodes (default: the best tree alone on this machine's costs)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="the compiled step's costs (its one-node graph must be saved)")
     ap.add_argument("--settings", default="0:0,1:1,2:2,2:3,3:2,3:3,4:2,4:4,8:2,8:4",
                     help="length:copy_run pairs (length 0: the tree alone)")
     args = ap.parse_args()
@@ -117,7 +119,8 @@ def main() -> None:
     budget_nodes = args.budget or costs.choose_budget(model.drafter.acceptance(), verify, draft)[0]
     drafting = draft[budget_nodes]
     print(f"cost curve: {path}")
-    print(f"budget {budget_nodes}, {'compiled' if args.compiled else 'eager'} costs: tree {costs.interpolate(verify, budget_nodes) + drafting:.2f}, "
+    step = "compiled" if args.compiled else "eager"
+    print(f"budget {budget_nodes}, {step} costs: tree {costs.interpolate(verify, budget_nodes) + drafting:.2f}, "
           f"chain alone {costs.interpolate(verify, 1 + copy_length):.2f} plain steps")
 
     def cost(n: int, drafted: bool) -> float:

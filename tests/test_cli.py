@@ -3,6 +3,7 @@
 
 import pytest
 
+from medusa_decoding.config import NgramConfig
 from medusa_decoding.heads import MedusaHeads
 
 from conftest import run_cli as medusa, save_tiny, tiny_llama
@@ -21,7 +22,7 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     code, out, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--heads", heads,
                             "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
     assert code == 0 and out.strip()
-    assert err.splitlines()[-1].startswith("[medusa (16-node tree) + 8-token n-gram branch] 12 tokens")
+    assert err.splitlines()[-1].startswith(f"[medusa (16-node tree) + {NgramConfig.length}-token n-gram branch] 12 tokens")
     code, out2, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--no-medusa",
                              "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
     assert code == 0 and out2 == out and err.splitlines()[-1].startswith("[plain]")

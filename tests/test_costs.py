@@ -9,6 +9,7 @@ import torch
 
 from medusa_decoding import calibrate as cal
 from medusa_decoding import costs, drafters, proposers
+from medusa_decoding.config import NgramConfig
 from medusa_decoding.engine import MedusaModel
 
 from conftest import byte_tokenizer, random_heads, run_cli, save_tiny
@@ -298,7 +299,8 @@ def test_cli_calibrate_a_drafter_saves_its_acceptance_and_fits_this_machine(tmp_
     assert code == 0, err
     accepted = json.loads((tmp_path / "o" / proposers.ACCEPTANCE_NAME).read_text())
     assert accepted["prompts"] == 2 and set(map(int, accepted["expected_tau"])) == set(costs.BUDGETS)
-    assert set(map(int, accepted["expected_tau_ngram"])) == {1, *costs.BUDGETS} and accepted["ngram"]["length"] == 8
+    assert set(map(int, accepted["expected_tau_ngram"])) == {1, *costs.BUDGETS}
+    assert accepted["ngram"]["length"] == NgramConfig.length  # the chain generate runs by default
     assert all(accepted["expected_tau_ngram"][str(b)] >= tau for b, tau in accepted["expected_tau"].items())
     assert not (tmp_path / "d" / proposers.ACCEPTANCE_NAME).exists()  # --out: the source is left alone
     assert "<- chosen" in out and "calibration: measured now" in err

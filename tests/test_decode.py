@@ -196,6 +196,31 @@ def test_ngram_branch_keeps_plain_output_and_copies(model, with_heads):
     assert copied > 20
 
 
+@pytest.mark.parametrize("with_heads", [False, True])
+def test_the_default_chain_accepted_whole_starts_copy_steps(model, with_heads):
+    """The default chain is short (it rides on every step) and accepted whole it starts copy steps
+    (a long chain alone): on prompts the model goes on to repeat, copy steps come, the output stays
+    plain greedy. A copy_run above the chain's length would never start one."""
+    from medusa_decoding.config import NgramConfig
+
+    cfg = NgramConfig()
+    assert 0 < cfg.copy_run <= cfg.length < cfg.copy_chain
+    heads = random_heads(model) if with_heads else None
+    copy_steps = 0
+    for prompt in prompts(4, seed=8):
+        plain, _ = run(model, prompt, None, max_new_tokens=50, ignore_eos=True)
+        p = prompt + plain[:30] + prompt
+        want, _ = run(model, p, None, max_new_tokens=50, ignore_eos=True)
+        stats, got = GenerationStats(), []
+        for chunk in decode(model, torch.tensor([p]), heads, build_tree(DEFAULT_TREE),
+                            GenerationConfig(max_new_tokens=50, ignore_eos=True), SamplingConfig(), {EOS}, stats,
+                            ngram=cfg):
+            got += chunk
+        assert got == want
+        copy_steps += stats.copy_steps
+    assert copy_steps > 0
+
+
 def test_ngram_lookup_finds_the_latest_match():
     import numpy as np
 

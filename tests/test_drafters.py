@@ -412,7 +412,7 @@ def test_cli_picks_the_drafter_from_the_checkpoint(capsys, monkeypatch, base_dir
     common = ["--model", base_dir, "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu"]
     code, out, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--heads", tmp_path / "eagle",
                             "--tree-budget", "6", *common)
-    assert code == 0 and err.splitlines()[-1].startswith("[eagle (drafted 6-node tree) + 8-token n-gram branch] 12 tokens")
+    assert code == 0 and err.splitlines()[-1].startswith(f"[eagle (drafted 6-node tree) + {NgramConfig.length}-token n-gram branch] 12 tokens")
     code, plain, _ = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--no-medusa", *common)
     assert code == 0 and plain == out
     code, _, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--heads", tmp_path / "eagle",

@@ -12,6 +12,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from medusa_decoding.config import NgramConfig  # noqa: E402
 from medusa_decoding.engine import MedusaModel  # noqa: E402
 from medusa_decoding.server import create_app  # noqa: E402
 
@@ -310,7 +311,7 @@ def test_cli_serve(tmp_path_factory, capsys, monkeypatch):
                      "--tree", "dynamic", "--fixed-budget", "--dtype", "float32", "--device", "cpu")
     assert code == 0 and len(calls) == 1
     model, kw = calls[0]
-    assert model.heads is not None and model.tree.budget == 16 and model.ngram.length == 8
+    assert model.heads is not None and model.tree.budget == 16 and model.ngram == NgramConfig()
     assert kw == {"host": "127.0.0.1", "port": 8123, "max_batch_size": 4, "use_medusa": True, "adaptive": False}
     for args in (["--max-batch-size", 0], ["--port", 0], ["--ngram", -1], ["--port", "x"]):
         code, err = medusa("--model", folder, *args)
