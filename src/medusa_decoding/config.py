@@ -247,9 +247,9 @@ class NgramConfig:
 
     # A short chain beside every tree, and copy steps once it is accepted whole: the chain's gain comes in
     # bursts, and a long chain on every step pays its nodes on all of them (2026-12-06, Intel Xeon, the
-    # compiled step's costs, hydra budget 4, the n-gram variants replayed over each answer: length 2 /
-    # copy_run 2 against 8 / 4: x1.74 against x1.62 of plain on 48 held-out ShareGPT first turns, x1.59
-    # against x1.43 on 52 Spec-Bench first turns, per-prompt medians; docs/ENGINE.md)
+    # compiled step's costs, hydra budget 4, settings replayed over known answers by scripts/replay_ngram.py:
+    # length 2 / copy_run 2 against 8 / 4: x1.67 against x1.61 of plain on 48 held-out ShareGPT first turns,
+    # x1.51 against x1.40 on 52 Spec-Bench first turns, per-prompt medians; docs/ENGINE.md)
     length: int = 2  # tokens proposed: nodes of the n-gram chain under the root
     max_ngram: int = 3  # the longest suffix is matched first
     min_ngram: int = 1
