@@ -4,16 +4,17 @@ which copy_run pay on this machine, without decoding once per setting.
     .venv/bin/python scripts/replay_ngram.py --suite sharegpt --limit 48 --compiled
     .venv/bin/python scripts/replay_ngram.py --suite spec-bench --limit 4 --compiled  # 4 first turns a category
 
-For each prompt: its plain greedy answer, then one forward over prompt + answer for the base's hidden
-states at every position, and at every position the drafter's tree (at --budget) and the chain the
-n-gram lookup finds there. A setting is replayed step by step: a step rooted at answer position i
-accepts as far as its branches agree with the answer (greedy acceptance is exactly that), costs
-t(nodes)/t(1) + the drafting from this machine's cost curve (--compiled: the saved compiled step's,
-costs.compiled_costs, what compile mode auto runs once its graphs are built; else the eager step's),
-and the next step is rooted at i + 1 + accepted; after a step that accepted copy_run chain tokens
-the next one verifies the copy chain alone (ngram.py). Prints each setting's expected speed-up over
-plain decoding, per-prompt median and mean, overall and by category. The trees come from features
-computed in one forward over the whole answer, not step by step: the same up to rounding.
+On the built-in model and its shipped drafter. For each prompt: its plain greedy answer, then one
+forward over prompt + answer for the base's hidden states at every position, and at every position
+the drafter's tree (at --budget) and the chain the n-gram lookup finds there. A setting is replayed
+step by step: a step rooted at answer position i accepts as far as its branches agree with the
+answer (greedy acceptance is exactly that), costs t(nodes)/t(1) + the drafting from this machine's
+cost curve (--compiled: the saved compiled step's, costs.compiled_costs, what compile mode auto runs
+once its graphs are built; else the eager step's), and the next step is rooted at i + 1 + accepted;
+after a step that accepted copy_run chain tokens the next one verifies the copy chain alone
+(ngram.py). Prints each setting's expected speed-up over plain decoding, per-prompt median and mean,
+overall and by category. The trees come from features computed in one forward over the whole answer,
+not step by step: the same up to rounding.
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ def branches(model, text: str, budget: int, max_new_tokens: int, longest: int) -
     row, _, hidden = verifier.add(torch.cat([ids, torch.from_numpy(answer)]), 8)  # hidden [T, k D]
     verifier.release(row)
     context = np.concatenate([ids.numpy(), answer])
-    proposer, start = model.drafter.proposer(), ids.numel()
+    proposer, start, lookup_config = model.drafter.proposer(), ids.numel(), NgramConfig(length=longest)
     tree, chain = [], []
     for i in range(len(answer) - 1):
         proposer.observe(hidden[start + i - 1: start + i], torch.tensor(answer[i: i + 1]), None)
         p = proposer.propose(torch.tensor(int(answer[i])), budget)
         tree.append(tree_agreed(p.tokens.tolist(), p.tree.parent.tolist(), answer[i + 1:]))
-        found = lookup(context[: start + i + 1], NgramConfig(length=longest), longest)
+        found = lookup(context[: start + i + 1], lookup_config, longest)
         chain.append(-1 if found is None else agreed(found, answer[i + 1:]))
     return {"tree": tree, "chain": chain}
 

@@ -79,7 +79,6 @@ def test_the_avx512_build_gives_the_avx2_build_s_bits(kind):
             assert torch.equal(ours, theirs), (n, limit)
 
 
-
 @pytest.mark.skipif(blocks.isa() != "AMX", reason="the AMX path needs a CPU with AMX tiles and AVX-512 bf16")
 @pytest.mark.parametrize("kind", list(blocks.BlockKind))
 def test_the_amx_path_computes_each_weight_exactly_and_each_row_alone_at_every_row_count(kind):

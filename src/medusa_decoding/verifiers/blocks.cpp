@@ -1,7 +1,7 @@
 // Linear layers on the blocks of a GGUF's Q4_1 / Q8_0 weights, fp32 activations, AVX2 + FMA, AVX-512 where
-// the build has it, and AMX tiles for Q4_1 where the CPU has them (blocks.py). Built once per machine by
-// torch.utils.cpp_extension, with -ffp-contract=off (the sums are the fma chains written here, nothing else fused); OpenMP through
-// torch's own runtime.
+// the build has it, and AMX tiles where the CPU has them (blocks.py). Built once per machine by
+// torch.utils.cpp_extension, with -ffp-contract=off (the sums are the fma chains written here, nothing
+// else fused); OpenMP through torch's own runtime.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
