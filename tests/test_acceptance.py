@@ -24,6 +24,7 @@ from medusa_decoding.acceptance import (
     accept_greedy,
     accept_rejection,
     accept_typical,
+    first_argmax,
     target_probs,
 )
 from medusa_decoding.config import DEFAULT_TREE, Acceptance, MedusaError, SamplingConfig
@@ -422,3 +423,18 @@ def test_statistical_check_catches_wrong_rules(rule, draws):
     counts, _ = sample_two_tokens(rule, p, tree, draws, seed=7)
     joint = tv(counts, exact_two_tokens(p, tree))
     assert joint > tv_bound(int((exact_two_tokens(p, tree) > 0).sum()), draws), joint
+
+
+@pytest.mark.parametrize("vocab", [1, 50, 64, 3 * 1024, 49152, 2048 + 64])
+def test_first_argmax_is_argmax_ties_and_nan_included(vocab):
+    """The chunked argmax gives torch's argmax (the first maximum) on random rows, on ties across
+    and within chunks, on a row of equal values and with a NaN."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g).round(decimals=1)  # many ties
+    logits[1] = 0.0
+    logits[2, vocab // 2:] = logits[2].max() + 1  # the maximum over every later chunk
+    logits[3, -1] = logits[3].max() + 1
+    assert torch.equal(first_argmax(logits), logits.argmax(-1))
+    logits[4, vocab // 3] = float("nan")
+    assert torch.equal(first_argmax(logits), logits.argmax(-1))
+

@@ -86,6 +86,48 @@ def test_grow_tree_keeps_the_best_nodes_and_they_form_a_tree():
     assert sorted(score[1:].tolist()) == pytest.approx(sorted(c[0] for c in best), abs=1e-5)
 
 
+def test_grow_tree_drafts_only_what_the_budget_can_keep():
+    """The pruned drafting keeps the nodes EAGLE-2's full rule keeps (at each depth the W best
+    nodes expanded by their W best children, then the budget - 1 best of all), expanding fewer."""
+    vocab, width, depth = 11, 4, 4
+
+    def log_probs(branch):  # the children of a branch: a function of its tokens alone
+        g = torch.Generator().manual_seed(hash(tuple(branch)) % 2**31)
+        return torch.log_softmax(3 * torch.randn(vocab, generator=g), -1)
+
+    def branch(i, tokens, parents):
+        out = []
+        while i > 0:
+            out.append(int(tokens[i]))
+            i = int(parents[i])
+        return tuple(out[::-1])
+
+    for budget in (2, 3, 4, 6, 10, 40):
+        expanded = []
+
+        def expand(frontier, tokens, parents):
+            expanded.append(len(frontier))
+            return torch.stack([log_probs(branch(i, tokens, parents)) for i in frontier.tolist()])
+
+        d = min(depth, budget - 1)
+        tokens, parent, _, score = grow_tree(log_probs(()), expand, width, d, budget)
+        got = {branch(i, tokens, parent): float(score[i]) for i in range(1, len(tokens))}
+        level = [((t,), s) for s, t in zip(*[x.tolist() for x in log_probs(()).topk(width)])]
+        every = list(level)
+        for _ in range(2, d + 1):
+            level = [(b + (t,), s + c) for b, s in sorted(level, key=lambda x: -x[1])[:width]
+                     for c, t in zip(*[x.tolist() for x in log_probs(b).topk(width)])]
+            every += level
+        want = sorted(every, key=lambda x: -x[1] + 1e-4 * len(x[0]))[: budget - 1]
+        assert got.keys() == {b for b, _ in want}
+        assert all(got[b] == pytest.approx(s, abs=1e-5) for b, s in want)
+        assert sum(expanded) <= width * (d - 1)
+    assert expanded == [4, 4, 4]  # budget 40 reaches every frontier node
+    expanded.clear()
+    grow_tree(log_probs(()), expand, width, 3, 4)
+    assert expanded == [2, 1]
+
+
 def test_tree_from_parents_masks_exactly_the_ancestors():
     parent = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 6])
     depth = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])

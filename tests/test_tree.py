@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from medusa_decoding.config import DEFAULT_TREE, MedusaError
-from medusa_decoding.tree import build_tree, load_tree_file, tree_tokens
+from medusa_decoding.tree import build_tree, load_tree_file, tree_from_parents, tree_tokens, with_chain
 
 TREES = {
     "default": DEFAULT_TREE,
@@ -87,6 +87,19 @@ def test_tree_file(tmp_path):
         load_tree_file(f)
     with pytest.raises(MedusaError, match="does not exist"):
         load_tree_file(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("name", [*TREES, "root"])
+@pytest.mark.parametrize("length", [1, 3, 6])
+def test_a_chain_joined_to_a_tree_is_the_tree_rebuilt_with_it(name, length):
+    """with_chain (the n-gram branch joining any tree, every step) builds from the tree's own mask
+    and paths what tree_from_parents builds from its parents: every buffer, the paths' order too
+    (the accepted path is the first longest)."""
+    tree = build_tree(TREES[name]) if name != "root" else build_tree([])
+    got, want = with_chain(tree, length), tree_from_parents(tree.parent, tree.depth, tree.depth_limit, length)
+    for field in ("mask", "depth", "parent", "retrieve", "candidate_index"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert (got.max_depth, got.ngram_length, got.topk) == (want.max_depth, want.ngram_length, want.topk)
 
 
 def test_ngram_chain_hangs_under_the_root():

@@ -28,13 +28,35 @@ class Accepted:
     bonus: torch.Tensor
 
 
+ARGMAX_CHUNK = 1024  # vocabulary entries per chunk of first_argmax (the most; a power of two dividing V)
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] long: the first index of each row's maximum, as logits.argmax(-1).
+
+    On CPU argmax runs a scalar loop (Intel Xeon, 2 threads, [5, 49152] fp32: 190 us, amax 11 us,
+    ~1.3% of a compiled step): here the chunk holding the first maximum is found from the chunks'
+    maxima, then the argmax is taken within it (~35 us). Elsewhere, and where V has no power-of-two
+    chunk of at least 64 entries, logits.argmax(-1)."""
+    n, v = logits.shape
+    chunk = min(v & -v, ARGMAX_CHUNK)
+    if logits.device.type != "cpu" or chunk < 64:
+        return logits.argmax(-1)
+    chunks = logits.reshape(n, v // chunk, chunk)  # [N, C, chunk]
+    top = chunks.amax(-1)  # [N, C]: NaN where a chunk holds one (argmax's answer then)
+    if top.isnan().any():
+        return logits.argmax(-1)
+    first = (top == top.amax(-1, keepdim=True)).byte().argmax(-1)  # [N]: the first chunk holding the maximum
+    return first * chunk + chunks[torch.arange(n, device=logits.device), first].argmax(-1)
+
+
 def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers) -> Accepted:
     """Longest path whose every candidate equals the base model's argmax at its parent.
 
     tokens [N] long, logits [N, V]. Exact: the emitted tokens are those plain greedy decoding
     would emit. One device-to-host read (the accepted length).
     """
-    pred = logits.argmax(-1)  # [N]
+    pred = first_argmax(logits)  # [N]
     if tokens.numel() == 1:
         return Accepted(nodes=torch.zeros(1, dtype=torch.long, device=tokens.device), bonus=pred[0])
     # [N] bool: node agrees with the base model's choice at its parent (the root always does)
@@ -67,7 +89,7 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     if sampling.temperature == 0:
         # Filters cannot change a one-hot distribution; argmax ties resolve as accept_greedy's.
         p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
-        return p.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return p.scatter_(-1, first_argmax(logits.reshape(-1, logits.shape[-1])).reshape(*logits.shape[:-1], 1), 1.0)
     # shifted to max 0 first, the max kept at 0: a temperature too small for float32 then gives
     # the others -inf (probability 0), never inf - inf or 0 / 0
     shifted = logits.float() - logits.float().amax(-1, keepdim=True)  # [N, V], <= 0

@@ -103,8 +103,16 @@ class SlotCache(Cache):
     def keep(self, block: int, rows: list[tuple[int, int, torch.Tensor]]) -> None:
         """Commit a verified block written at slots block ..: for each (row, length, nodes [A]),
         move the slots of the accepted nodes (indices into the block, root first) to length ..
-        length+A-1. A lone root already in place is skipped."""
-        moves = [(r, length, nodes) for r, length, nodes in rows if nodes.numel() > 1 or length != block]
+        length+A-1. Nodes already in place (a row at the block, accepted nodes 0, 1, .. of its tree,
+        as a chain-shaped tree's often are) are skipped: each move is 2 L copies."""
+        moves = []
+        for r, length, nodes in rows:
+            ids, skip = nodes.tolist(), 0
+            if length == block:
+                while skip < len(ids) and ids[skip] == skip:
+                    skip += 1
+            if skip < len(ids):
+                moves.append((r, length + skip, nodes[skip:]))
         if not moves:
             return
         device = moves[0][2].device

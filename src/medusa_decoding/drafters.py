@@ -100,17 +100,25 @@ def grow_tree(first: torch.Tensor, expand, width: int, depth: int, budget: int) 
     [n]) -> log-probs [W, V'] of the frontier's children (node ids index the drafted nodes, 0 is
     the root). Returns (tokens [N] shortlist indices, parent [N], depth [N], score [N]) of the
     kept nodes, root first and parents before children; the root's token is a placeholder (0).
+
+    Only what the budget can keep is drafted. A node at depth d is kept only with its d - 1
+    ancestors and every node that outranks it (a higher cumulative log-prob at its depth or
+    above: its higher-ranked siblings, the frontier nodes ranked above its parent), so at depth d
+    only the budget - d best frontier nodes are expanded, each for its budget - d best children
+    (at budget 4: 2 and 1 nodes expanded at depths 2 and 3, not W each); the tree is the same.
     """
     device = first.device
-    score, top = first.float().topk(min(width, first.shape[-1]))  # [W]
+    score, top = first.float().topk(min(width, budget - 1, first.shape[-1]))  # [W]
     tokens = [first.new_zeros(1, dtype=torch.long), top]
     parents = [torch.full((1,), -1, dtype=torch.long, device=device), torch.zeros_like(top)]
     scores = [torch.zeros(1, device=device), score]
     depths = [torch.zeros(1, dtype=torch.long, device=device), torch.ones_like(top)]
     frontier, frontier_score, n = torch.arange(1, 1 + len(top), device=device), score, 1 + len(top)
-    for d in range(2, depth + 1):
+    for d in range(2, min(depth, budget - 1) + 1):
+        reach = budget - d  # the most frontier nodes, and children of each, that can be kept
+        frontier, frontier_score = frontier[:reach], frontier_score[:reach]  # ranked best first
         log_probs = expand(frontier, torch.cat(tokens), torch.cat(parents))  # [W, V']
-        child_score, child = log_probs.float().topk(min(width, log_probs.shape[-1]), dim=-1)  # [W, W] each
+        child_score, child = log_probs.float().topk(min(width, reach, log_probs.shape[-1]), dim=-1)  # [W, W] each
         cum = (frontier_score[:, None] + child_score).reshape(-1)  # [W * W]
         tokens.append(child.reshape(-1))
         parents.append(frontier[:, None].expand_as(child).reshape(-1))

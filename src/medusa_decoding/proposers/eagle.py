@@ -62,12 +62,11 @@ class EagleProposer(PathProposer):
         see = torch.zeros(most, most, dtype=torch.bool, device=device)  # [slot, slot]: ancestors, itself
         feats = torch.empty(1 + most, g0.shape[-1], dtype=g0.dtype, device=device)  # [0]: g0, [1 + slot]
         feats[0] = g0
-        calls = [0]
+        calls, used = [0], [0]  # expand calls so far, slots they filled (grow_tree expands <= width a call)
 
         def expand(frontier, tokens, parents):
-            j = calls[0]
-            calls[0] += 1
-            n, w = j * width, len(frontier)  # slots used before, slots now
+            j, n, w = calls[0], used[0], len(frontier)  # depth - 2, slots used before, slots now
+            calls[0], used[0] = j + 1, n + w
             parent_slot = slot_of[parents[frontier]]  # [W], -1 under the root
             slots = torch.arange(n, n + w, device=device)
             slot_of[frontier] = slots
