@@ -107,11 +107,12 @@ class SlotCache(Cache):
         as a chain-shaped tree's often are) are skipped: each move is 2 L copies."""
         moves = []
         for r, length, nodes in rows:
-            ids, skip = nodes.tolist(), 0
-            if length == block:
+            skip = 0
+            if length == block:  # one host read, where nodes may be in place
+                ids = nodes.tolist()
                 while skip < len(ids) and ids[skip] == skip:
                     skip += 1
-            if skip < len(ids):
+            if skip < nodes.numel():
                 moves.append((r, length + skip, nodes[skip:]))
         if not moves:
             return
