@@ -30,14 +30,7 @@ from medusa_decoding import costs
 from medusa_decoding.bench.prompts import load_suite, select
 from medusa_decoding.config import CompileMode, NgramConfig
 from medusa_decoding.engine import MedusaModel, make_backend, shipped_heads
-from medusa_decoding.proposers.ngram import lookup
-
-
-def agreed(tokens: np.ndarray, answer: np.ndarray) -> int:
-    """Leading tokens of a chain equal to the answer's (at most the answer's length)."""
-    n = min(len(tokens), len(answer))
-    same = tokens[:n] == answer[:n]
-    return n if same.all() else int(np.argmin(same))
+from medusa_decoding.proposers.ngram import agreed, lookup
 
 
 def tree_agreed(tokens: list[int], parent: list[int], answer: np.ndarray) -> int:

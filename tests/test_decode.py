@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from medusa_decoding.cache import keep_path, new_cache
-from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, SamplingConfig
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, NgramConfig, SamplingConfig
 from medusa_decoding.engine import GenerationStats
 from medusa_decoding.tree import tree_bias
 from medusa_decoding.verifiers.transformers import forward as batched_forward
@@ -201,8 +201,6 @@ def test_the_default_chain_accepted_whole_starts_copy_steps(model, with_heads):
     """The default chain is short (it rides on every step) and accepted whole it starts copy steps
     (a long chain alone): on prompts the model goes on to repeat, copy steps come, the output stays
     plain greedy. A copy_run above the chain's length would never start one."""
-    from medusa_decoding.config import NgramConfig
-
     cfg = NgramConfig()
     assert 0 < cfg.copy_run <= cfg.length < cfg.copy_chain
     heads = random_heads(model) if with_heads else None
@@ -224,8 +222,7 @@ def test_the_default_chain_accepted_whole_starts_copy_steps(model, with_heads):
 def test_ngram_lookup_finds_the_latest_match():
     import numpy as np
 
-    from medusa_decoding.config import NgramConfig
-    from medusa_decoding.proposers.ngram import lookup, padded
+    from medusa_decoding.proposers.ngram import agreed, lookup, padded
 
     cfg = NgramConfig(length=3, max_ngram=2)
     ctx = np.array([1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2])
@@ -233,6 +230,10 @@ def test_ngram_lookup_finds_the_latest_match():
     assert lookup(np.array([7, 8, 9]), cfg, 3) is None
     assert lookup(np.array([5, 6, 7, 5]), cfg, 3).tolist() == [6, 7, 5]  # falls back to 1-grams
     assert padded(np.array([4]), 3, "cpu").tolist() == [4, 4, 4]
+    # what greedy acceptance keeps of a chain: its leading tokens the context goes on with
+    assert agreed(np.array([4, 5, 7]), np.array([4, 5, 6, 1])) == 2
+    assert agreed(np.array([4, 5]), np.array([4, 5, 6])) == 2 and agreed(np.array([4, 5, 6]), np.array([4])) == 1
+    assert agreed(np.array([3, 5]), np.array([4, 5])) == 0
 
 
 @pytest.mark.parametrize("ngram_length", [0, 5])

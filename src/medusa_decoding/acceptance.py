@@ -89,7 +89,7 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     if sampling.temperature == 0:
         # Filters cannot change a one-hot distribution; argmax ties resolve as accept_greedy's.
         p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
-        return p.scatter_(-1, first_argmax(logits.reshape(-1, logits.shape[-1])).reshape(*logits.shape[:-1], 1), 1.0)
+        return p.scatter_(-1, first_argmax(logits)[:, None], 1.0)
     # shifted to max 0 first, the max kept at 0: a temperature too small for float32 then gives
     # the others -inf (probability 0), never inf - inf or 0 / 0
     shifted = logits.float() - logits.float().amax(-1, keepdim=True)  # [N, V], <= 0

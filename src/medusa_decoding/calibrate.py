@@ -28,7 +28,7 @@ from .config import NgramConfig
 from .costs import BUDGETS, interpolate, measure, timed
 from .drafters import keep_order
 from .proposers import ACCEPTANCE_NAME, Drafter, Proposer
-from .proposers.ngram import lookup
+from .proposers.ngram import agreed, lookup
 from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
@@ -227,10 +227,7 @@ class _Recorder(Proposer):
 
         def match(at: int) -> int:  # chain tokens the base would accept after the root at `at` - 1
             chain = lookup(context[:at], config, config.length)
-            if chain is None:
-                return 0
-            same = chain[: len(context) - at] == context[at : at + len(chain)]
-            return len(same) if same.all() else int(np.argmin(same))
+            return 0 if chain is None else agreed(chain, context[at:])
 
         out = dict.fromkeys(self.budgets, 0.0)
         if self.steps:

@@ -32,6 +32,14 @@ def lookup(context: np.ndarray, config: NgramConfig, length: int) -> np.ndarray 
     return None
 
 
+def agreed(chain: np.ndarray, following: np.ndarray) -> int:
+    """Leading tokens of `chain` equal to `following` (the tokens that come next): what greedy
+    acceptance keeps of it, at most len(following)."""
+    n = min(len(chain), len(following))
+    same = chain[:n] == following[:n]
+    return n if same.all() else int(np.argmin(same))
+
+
 def padded(tokens: np.ndarray, length: int, device) -> torch.Tensor:
     """tokens [<= L] -> [L] long: a short chain repeats its last token (a wrong guess is simply
     rejected; the verification decides)."""
