@@ -469,3 +469,72 @@ def test_cli_picks_the_drafter_from_the_checkpoint(capsys, monkeypatch, base_dir
     code, _, err = medusa(capsys, monkeypatch, "bench", "--model", base_dir, "--methods", "plain,eagle",
                           "--prompts", tmp_path / "none.jsonl")
     assert code == 2 and err.startswith("error:")
+
+
+# compiled drafting ---------------------------------------------------------------------------------
+
+def test_hydra_drafting_on_a_saved_graph_drafts_the_eager_trees_and_stays_exact(tmp_path):
+    """A compiled backend drafts hydra's trees on a saved graph (HydraDraft, one per width, depth and
+    budget): the graph's tree is the eager drafting's, and decoding gives plain decoding's tokens."""
+    from medusa_decoding.models import use_fast_attention
+    from medusa_decoding.proposers.hydra import expander
+    from medusa_decoding.verifiers.compiled import CompiledBackend
+    from medusa_decoding.verifiers.transformers import EagerBackend
+
+    base = tiny_llama(max_positions=512)
+    use_fast_attention(base)
+    weights = make("hydra", base, seed=11, feature_layers=[1, 2])
+    backend = CompiledBackend(base, graphs=tmp_path)
+    model = MedusaModel(base, byte_tokenizer(), heads=weights, tree_budget=5, backend=backend)
+    spec = model.drafter
+    graphs = backend.drafting(spec)
+    assert graphs is not None and backend.drafting(spec) is graphs and EagerBackend(base).drafting(spec) is None
+    g = torch.Generator().manual_seed(3)
+    d = base.config.hidden_size
+    for _ in range(4):
+        features, root = torch.randn(2 * d, generator=g), torch.randint(0, 256, (1,), generator=g)
+        with torch.inference_mode():
+            got = graphs.run((spec.width, 4, 5), (features, root))
+            first, expand = expander(spec.net, spec.embed, spec.short, features, root)
+            want = grow_tree(first, expand, spec.width, 4, 5)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
+        torch.testing.assert_close(got[3], want[3])
+    assert len(list(tmp_path.rglob("draft-hydra-*-4-4-5.pt2"))) == 1
+    plain = MedusaModel(base, byte_tokenizer(), backend=EagerBackend(base))
+    for prompt in prompts(3, seed=12):
+        ids = torch.tensor([prompt])
+        runs = graphs.runs
+        out = model.generate(ids, max_new_tokens=24, ignore_eos=True)
+        assert out.token_ids == plain.generate(ids, max_new_tokens=24, ignore_eos=True).token_ids
+        assert graphs.runs - runs == out.stats.steps
+
+
+def test_the_background_builder_builds_hydra_drafting_and_the_next_run_drafts_on_it(tmp_path_factory, tmp_path):
+    """Compile mode auto: drafting runs eager while the background builder (the verify step's) builds
+    its graph from the drafter's folder; then the run drafts on the saved graph, the same tokens."""
+    import os
+
+    from medusa_decoding.verifiers.compiled import CompiledBackend
+
+    folder, _ = save_tiny(tmp_path_factory, max_positions=512, with_heads=False)
+    base = tiny_llama(max_positions=512)
+    make("hydra", base, seed=13).save_pretrained(tmp_path / "hydra")
+    os.environ["MEDUSA_CACHE"], before = str(tmp_path / "cache"), os.environ["MEDUSA_CACHE"]
+    try:
+        model = MedusaModel.from_pretrained(str(folder), heads=tmp_path / "hydra", tree_budget=4, dtype="float32",
+                                            device="cpu", compile="auto")
+        backend = model.backend
+        assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto"
+        backend.builder_idle_s = 0.0  # the builder exits once the list is done
+        ids = torch.tensor([prompts(1, seed=14)[0]])
+        want = model.generate(ids, max_new_tokens=16, use_medusa=False, ignore_eos=True).token_ids
+        first = model.generate(ids, max_new_tokens=16, ignore_eos=True)
+        graphs = backend.drafting(model.drafter)
+        assert first.token_ids == want and graphs.runs == 0 and backend.builder is not None
+        assert backend.builder.wait(timeout=600) == 0, (backend.folder / "builder.log").read_text()[-2000:]
+        assert len(list(backend.folder.glob("draft-hydra-*.pt2"))) == 1
+        backend.missing = dict.fromkeys(backend.missing, 0.0)  # as if RECHECK_S had passed
+        again = model.generate(ids, max_new_tokens=16, ignore_eos=True)
+        assert again.token_ids == want and graphs.runs == again.stats.steps > 0
+    finally:
+        os.environ["MEDUSA_CACHE"] = before

@@ -200,6 +200,9 @@ def test_a_second_process_loads_the_compiled_graphs_instead_of_compiling(tmp_pat
     assert first["frozen"] is False and first["graphs"] >= 1 and first["loaded"] == 0
     assert second["loaded"] == second["graphs"] == first["graphs"] and second["tokens"] == first["tokens"]
     assert len(list((tmp_path / "compiled").iterdir())) == 1
+    # on CPU the saved graphs call their kernels from a C++ wrapper (inductor's cpp_wrapper), not Python
+    saved = list((tmp_path / "compiled").glob("*/*.pt2"))
+    assert saved and all(b"cpp_wrapper_src" in p.read_bytes() for p in saved)
     from medusa_decoding.verifiers.compiled import graph_key
 
     model = tiny_llama(max_positions=512)

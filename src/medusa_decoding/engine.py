@@ -386,6 +386,9 @@ class Decoder:
         self.max_batch_size = min(max_batch_size, verifier.max_rows or max_batch_size)
         self.policy = policy or FixedSpeculation()
         self.ctx = verifier.context_length
+        # the drafter's drafting compiled where the base's steps are (None: eager)
+        backend = getattr(verifier, "backend", None)
+        self.drafting = backend.drafting(method.drafter) if backend is not None else None
         self.seqs: list[_Seq] = []
         self._ids = itertools.count()
         self._root_only: TreeBuffers | None = None
@@ -415,6 +418,8 @@ class Decoder:
         gen = request.generation
         t0 = time.perf_counter()
         proposer = self.method.proposer()
+        if self.drafting is not None:
+            proposer.use_graphs(self.drafting)
         room = gen.max_new_tokens + 2 * max(proposer.depth_limit, 1) + 2
         row, logits, hidden = self.verifier.add(ids, room)  # [V], [T, D]
         ids = ids.to(logits.device)

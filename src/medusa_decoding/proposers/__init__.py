@@ -63,6 +63,10 @@ class Proposer:
         [A]: the token after each (the last is the next root); nodes [A]: the accepted nodes of
         the last proposal (None after the prefill, or when the step verified the root alone)."""
 
+    def use_graphs(self, graphs) -> None:
+        """Draft on `graphs` (verifiers.compiled.DraftGraphs: its drafter's drafting compiled) where
+        they are built; a proposer without a drafting module ignores them."""
+
 
 class Drafter:
     """What every row of one method shares; `proposer()` makes a row's state."""
@@ -75,6 +79,11 @@ class Drafter:
 
     def proposer(self) -> Proposer:
         return Proposer()
+
+    def draft_module(self):
+        """The nn.Module whose forward is one step's drafting at fixed sizes, for a compiled
+        backend to compile (verifiers.compiled.DraftGraphs); None: it drafts eager only."""
+        return None
 
     def tree_sizes(self) -> set[int]:
         """Node counts of the trees it proposes at its default budget (compiled shapes)."""

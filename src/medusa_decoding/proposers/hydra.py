@@ -8,10 +8,57 @@ Glossary: W frontier width, k depth, D hidden size, V' shortlist.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from .. import drafters
 from ..config import DrafterKind
 from . import DrafterSpec, register
 from .paths import PathDrafter, PathProposer, load
+
+
+def expander(heads, embed, short, features: torch.Tensor, root: torch.Tensor):
+    """Hydra's drafting for drafters.grow_tree: heads (HydraHeads on lean linears), the base's
+    embedding and shortlisted LM head, features [k D] at the last verified position, root [1]
+    -> (the depth-1 log-probs [V'], expand)."""
+    h, context = heads.split(features[None])  # [1, D] each
+    root_embed = embed(root.reshape(1))  # [1, D]
+    first = short.log_probs(heads.head(0, h, root_embed[None], context))[0]  # [V']
+    calls = [0]
+
+    def expand(frontier, tokens, parents):
+        k = calls[0] = calls[0] + 1  # the frontier is at depth k, its children are head k's
+        chain, node = [], frontier
+        for _ in range(k):  # walk up to the depth-1 ancestor: one step per depth
+            chain.append(node)
+            node = parents[node]
+        ids = short.vocab[tokens[torch.stack(chain[::-1], dim=-1)]]  # [W, k]
+        w = len(frontier)
+        embeds = torch.cat([root_embed.expand(w, 1, -1), embed(ids)], dim=1)  # [W, k+1, D]
+        return short.log_probs(heads.head(k, h.expand(w, -1), embeds, context.expand(w, -1)))
+
+    return first, expand
+
+
+class HydraDraft(nn.Module):
+    """One step's drafting as a module a compiled backend compiles (verifiers.compiled.DraftGraphs):
+    forward(features [k D], root [1], width, depth, budget) = grow_tree's (index [N], parent [N],
+    depth [N], score [N]) on the drafter's heads, the base's embedding and shortlisted LM head."""
+
+    def __init__(self, drafter: HydraDrafter):
+        super().__init__()
+        self.heads, self.embed = drafter.net, drafter.embed
+        self.short = drafter.short  # a plain attribute: its weight blocks are read as the heads' are
+        self.config = drafter.weights.config
+        self.features = len(self.config.feature_layers or [0]) * self.config.hidden_size
+
+    def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [k D], root [1]) of zeros: a graph depends on shapes, not values."""
+        weight = self.short.weight
+        return (weight.new_zeros(self.features), torch.zeros(1, dtype=torch.long, device=weight.device))
+
+    def forward(self, features, root, width: int, depth: int, budget: int):
+        first, expand = expander(self.heads, self.embed, self.short, features, root)
+        return drafters.grow_tree(first, expand, width, depth, budget)
 
 
 class HydraDrafter(PathDrafter):
@@ -21,6 +68,9 @@ class HydraDrafter(PathDrafter):
 
     def proposer(self) -> HydraProposer:
         return HydraProposer(self)
+
+    def draft_module(self) -> HydraDraft:
+        return HydraDraft(self)
 
 
 class HydraProposer(PathProposer):
@@ -34,24 +84,10 @@ class HydraProposer(PathProposer):
 
     def _expander(self, root: torch.Tensor):
         d = self.drafter
-        heads, embed, short = d.net, d.embed, d.short
-        h, context = heads.split(self.last_features[None])  # [1, D] each
-        root_embed = embed(root.reshape(1))  # [1, D]
-        first = short.log_probs(heads.head(0, h, root_embed[None], context))[0]  # [V']
-        calls = [0]
+        return expander(d.net, d.embed, d.short, self.last_features, root)
 
-        def expand(frontier, tokens, parents):
-            k = calls[0] = calls[0] + 1  # the frontier is at depth k, its children are head k's
-            chain, node = [], frontier
-            for _ in range(k):  # walk up to the depth-1 ancestor: one step per depth
-                chain.append(node)
-                node = parents[node]
-            ids = short.vocab[tokens[torch.stack(chain[::-1], dim=-1)]]  # [W, k]
-            w = len(frontier)
-            embeds = torch.cat([root_embed.expand(w, 1, -1), embed(ids)], dim=1)  # [W, k+1, D]
-            return short.log_probs(heads.head(k, h.expand(w, -1), embeds, context.expand(w, -1)))
-
-        return first, expand
+    def _graph_inputs(self, root: torch.Tensor) -> tuple:
+        return self.last_features, root.reshape(1)
 
 
 register(DrafterKind.HYDRA, DrafterSpec(load=load, wrap=HydraDrafter))

@@ -65,6 +65,10 @@ class NgramBranch(Proposer):
         if self.inner is not None:
             self.inner.start(prompt)
 
+    def use_graphs(self, graphs) -> None:
+        if self.inner is not None:
+            self.inner.use_graphs(graphs)
+
     def propose(self, root: torch.Tensor, budget: int | None = None) -> Proposal | None:
         self.last = None
         if budget == 1:

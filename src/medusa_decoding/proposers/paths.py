@@ -65,9 +65,17 @@ class PathProposer(Proposer):
     def __init__(self, drafter: PathDrafter):
         self.drafter = drafter
         self.depth_limit = drafter.depth
+        self.graphs = None  # compiled drafting (verifiers.compiled.DraftGraphs), where the backend has it
+
+    def use_graphs(self, graphs) -> None:
+        self.graphs = graphs
 
     def _expander(self, root: torch.Tensor):
         raise NotImplementedError
+
+    def _graph_inputs(self, root: torch.Tensor) -> tuple | None:
+        """What the drafter's draft_module reads this step besides its sizes (None: it has none)."""
+        return None
 
     def propose(self, root: torch.Tensor, budget: int | None = None) -> Proposal | None:
         d = self.drafter
@@ -75,8 +83,12 @@ class PathProposer(Proposer):
         if budget < 2:
             return None
         depth = min(d.depth, budget - 1)
-        first, expand = self._expander(root)
-        index, parent, node_depth, score = drafters.grow_tree(first, expand, d.width, depth, budget)
+        inputs = self._graph_inputs(root) if self.graphs is not None else None
+        drafted = self.graphs.run((d.width, depth, budget), inputs) if inputs is not None else None
+        if drafted is None:  # eager: no compiled drafting, or its graph is not built yet
+            first, expand = self._expander(root)
+            drafted = drafters.grow_tree(first, expand, d.width, depth, budget)
+        index, parent, node_depth, score = drafted
         tokens = d.short.vocab[index]
         tokens[0] = root
         return Proposal(tokens, tree_from_parents(parent, node_depth, depth), score=score)

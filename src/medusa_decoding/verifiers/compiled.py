@@ -22,6 +22,11 @@ Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` ne
   linear layers run on prepacked oneDNN weights, which halves them in bf16 (34 vs 71 us a call,
   docs/ENGINE.md); a frozen graph cannot be serialized (aot_compile refuses it), so every process
   compiles its own.
+A drafter with a drafting module (hydra's `draft_module()`: its first depth and EAGLE-2's rule at a
+fixed width, depth and budget) drafts on graphs of its own, saved and built the same way, one per
+(width, depth, budget), named by the drafter's config (`DraftGraphs`; the builder loads the
+drafter from its folder). Its weights are inputs, as the base's are.
+
 inductor keeps the C++ it built in its own cache (TORCHINDUCTOR_CACHE_DIR, default under /tmp):
 with that cache gone a saved graph loads in ~17 s (gcc again) rather than ~2 s.
 """
@@ -29,6 +34,7 @@ with that cache gone a saved graph loads in ~17 s (gcc again) rather than ~2 s.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -124,10 +131,12 @@ def dummy_args(model, shape: tuple) -> tuple:
     return model, tokens, positions, mask, cache, layers
 
 
-def build_graph(args: tuple, path: Path):
-    """Compile the step for `args`' shapes ahead of time and save it at `path` -> the graph."""
-    if args[-1] is not None:  # feature layers: transformers installs its output-capturing hooks on the first
-        _forward(*args)       # such forward, under a lock dynamo cannot trace (a fresh builder process failed)
+def build_graph(args: tuple, path: Path, fn=None):
+    """Compile `fn` (default: the verify step) for `args`' shapes ahead of time and save it at
+    `path` -> the graph."""
+    fn = fn or _forward
+    if fn is _forward and args[-1] is not None:  # feature layers: transformers installs its output-capturing
+        _forward(*args)  # hooks on the first such forward, under a lock dynamo cannot trace (a fresh builder failed)
     # keep only tensor-metadata guards: the rest (module identities) cannot be saved. No size asserts:
     # the wrapper checked every input's sizes and strides on each call, ~1,000 checks a step (Intel Xeon,
     # fp32 on blocks: 13.9 -> 13.7 ms at 1 node, 16.1 -> 15.5 at 4), and a graph's inputs are fixed by its shape
@@ -137,7 +146,7 @@ def build_graph(args: tuple, path: Path):
     # kernels (cpp_wrapper_build_separate): in one translation unit at -O3 a graph took 245 s to
     # build against 36 s, for the same step time.
     cpu = next(args[0].parameters()).device.type == "cpu"
-    compiler = torch.compile(_forward, fullgraph=True, dynamic=False,
+    compiler = torch.compile(fn, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe,
                                       "size_asserts": False, "cpp_wrapper": cpu, "cpp_wrapper_build_separate": cpu})
     graph = compiler.aot_compile((args, {}))
@@ -171,6 +180,16 @@ def signal_builder(pid: int, sig: int) -> bool:
 
 def _forward(model, tokens, positions, mask, cache, layers):
     return forward(model, tokens, positions, mask, cache, layers=layers)
+
+
+def _draft(module, features, root, width: int, depth: int, budget: int):
+    return module(features, root, width, depth, budget)
+
+
+def draft_name(module, key: tuple[int, int, int]) -> str:
+    """The file name of a drafting graph: the drafter's kind and shape (its config), width, depth, budget."""
+    config = hashlib.sha256(json.dumps(dataclasses.asdict(module.config), sort_keys=True).encode()).hexdigest()[:12]
+    return f"draft-{module.config.drafter}-{config}-" + "-".join(map(str, key))
 
 
 class CompiledBackend(EagerBackend):
@@ -208,9 +227,20 @@ class CompiledBackend(EagerBackend):
         self._looked = -RECHECK_S  # when a step last looked for a builder to pause
         atexit.register(self.resume_builder)  # a builder paused here runs on after this process
         self._active = 0  # caches handed out and not released: decoding is going on
+        self._drafting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> its DraftGraphs
 
     def width(self, slots: int) -> int:
         return round_width(slots)
+
+    def drafting(self, drafter) -> DraftGraphs | None:
+        """`drafter`'s drafting compiled as this backend's steps are (None: it has no drafting
+        module, or graphs are frozen ones, which are not saved)."""
+        if drafter is None or self.freeze:
+            return None
+        if drafter not in self._drafting:
+            module = drafter.draft_module()
+            self._drafting[drafter] = DraftGraphs(self, module, getattr(drafter, "source", None)) if module is not None else None
+        return self._drafting[drafter]
 
     def new_cache(self, capacity: int, rows: int) -> SlotCache:
         # the buffers' size is part of every graph: allocate the context once (up to COMPILED_SLOTS)
@@ -256,38 +286,46 @@ class CompiledBackend(EagerBackend):
         if self.mode is CompileMode.AUTO:
             self.hold_builder()
         if graph is None:
-            graph = self._graph(shape, args) if self.mode is CompileMode.ON else self._saved(shape)
+            b, n, width, capacity, rows, layers = shape
+            what = f"the verify step for {b} rows x {n} nodes, width {width}"
+            record = {"shape": [b, n, width, capacity, rows, list(layers) if layers else None]}
+            graph = self.graph(graph_name(shape), what, record, args)
             if graph is None:  # auto: eager until the background builder has saved it
                 self.eager_steps += 1
                 return forward(*args[:5], layers=layers)
             self.shapes[shape] = graph
         return graph(*args)
 
-    def _saved(self, shape):
-        """Mode auto: the shape's saved graph, loaded, or None (asked of the background builder)."""
+    def graph(self, name: str, what: str, record: dict, args: tuple, fn=None):
+        """The saved graph `name` (of `fn`, default the verify step, on `args`; `record`: what the
+        background builder reads to build it): mode on loads or compiles it, waiting; mode auto loads
+        it once saved, else asks the builder and returns None (run it eager meanwhile)."""
+        if self.mode is CompileMode.ON:
+            return self._graph(name, what, args, fn)
+        return self._saved(name, what, record)
+
+    def _saved(self, name: str, what: str, record: dict):
+        """Mode auto: the saved graph `name`, loaded, or None (asked of the background builder)."""
         now = time.perf_counter()
-        seen = self.missing.get(shape)
+        seen = self.missing.get(name)
         if seen is not None and now - seen < RECHECK_S:
             return None
-        self.missing[shape] = now
-        path = self.folder / (graph_name(shape) + ".pt2")
+        self.missing[name] = now
+        path = self.folder / (name + ".pt2")
         graph = self._load(path) if path.exists() else None
         self.compile_s += time.perf_counter() - now
         if graph is not None:
-            del self.missing[shape]
-            log.info("loaded the verify step for %d rows x %d nodes, width %d (built in the background)",
-                     *shape[:3])
+            del self.missing[name]
+            log.info("loaded %s (built in the background)", what)
         elif seen is None:
-            self._want(shape)
+            self._want(name, record)
         return graph
 
-    def _want(self, shape) -> None:
-        """Ask the background builder for the graph of `shape` (starting one if none is at work)."""
+    def _want(self, name: str, record: dict) -> None:
+        """Ask the background builder for graph `name` (starting one if none is at work)."""
         wanted = self.folder / WANTED
         wanted.mkdir(parents=True, exist_ok=True)
-        b, n, width, capacity, rows, layers = shape
-        record = {"shape": [b, n, width, capacity, rows, list(layers) if layers else None]}
-        (wanted / (graph_name(shape) + ".json")).write_text(json.dumps(record) + "\n")
+        (wanted / (name + ".json")).write_text(json.dumps(record) + "\n")
         source = self.model.config.name_or_path
         if not source or not Path(source).is_dir():
             if len(self.missing) == 1:
@@ -337,21 +375,20 @@ class CompiledBackend(EagerBackend):
                      shape[2], time.perf_counter() - t0)
         return out
 
-    def _graph(self, shape, args):
-        """The graph of `shape`: loaded from the folder, else compiled and saved there. Its guards
-        are not checked per call: the shape picks the graph, and the model, weights, cache layout
-        and attention are what the folder's key says (as the frozen path's, see above)."""
-        path = self.folder / (graph_name(shape) + ".pt2")
+    def _graph(self, name: str, what: str, args: tuple, fn=None):
+        """Graph `name`: loaded from the folder, else compiled and saved there. Its guards are not
+        checked per call: the name picks the graph, and the model, weights, cache layout and
+        attention are what the folder's key says (as the frozen path's, see above)."""
+        path = self.folder / (name + ".pt2")
         t0 = time.perf_counter()
         how = "loaded"
         graph = self._load(path) if path.exists() else None  # unloadable: compiled anew
         if graph is None:
             how = "compiled"
-            graph = build_graph(args, path)
+            graph = build_graph(args, path, fn)
             graph.disable_guard_check()
         self.compile_s += time.perf_counter() - t0
-        log.info("%s the verify step for %d rows x %d nodes, width %d (%.1f s)", how, shape[0], shape[1], shape[2],
-                 time.perf_counter() - t0)
+        log.info("%s %s (%.1f s)", how, what, time.perf_counter() - t0)
         return graph
 
     def warmup(self, sizes: list[int], max_slots: int) -> float:
@@ -382,6 +419,45 @@ class CompiledBackend(EagerBackend):
                 "eager_steps": self.eager_steps, "missing": len(self.missing)}
 
 
+def draft_module(base, folder: str) -> torch.nn.Module:
+    """The drafting module of the drafter saved in `folder`, on `base` (the builder's)."""
+    from .. import proposers
+
+    module = proposers.wrap(proposers.load(folder, base), base).draft_module()
+    if module is None:
+        raise MedusaError(f"the drafter in {folder} has no compiled drafting")
+    return module
+
+
+class DraftGraphs:
+    """One drafter's drafting as saved graphs, one per (width, depth, budget), built and loaded as
+    the verify step's are (mode on: compiled when first needed, the run waiting; auto: built by the
+    background builder, eager until then). The module (the drafter's `draft_module()`) is the
+    graph's first input: its weights are read, not folded in."""
+
+    def __init__(self, backend: CompiledBackend, module: torch.nn.Module, source: Path | None):
+        self.backend, self.module, self.source = backend, module, source
+        self.graphs: dict[tuple[int, int, int], object] = {}
+        self.runs = 0  # drafting calls run on a graph
+
+    def run(self, key: tuple[int, int, int], inputs: tuple) -> tuple | None:
+        """inputs (the module's, after itself) at key (width, depth, budget) -> the module's outputs
+        from its graph, or None where there is none yet (draft eager)."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            if self.backend.mode is CompileMode.AUTO and self.source is None:
+                return None  # nothing a background builder could load it from
+            name = draft_name(self.module, key)
+            what = "the drafting of {} (width {}, depth {}, budget {})".format(self.module.config.drafter, *key)
+            record = {"draft": {"folder": str(self.source), "width": key[0], "depth": key[1], "budget": key[2]}}
+            graph = self.backend.graph(name, what, record, (self.module, *inputs, *key), _draft)
+            if graph is None:
+                return None
+            self.graphs[key] = graph
+        self.runs += 1
+        return graph(self.module, *inputs, *key)
+
+
 def build_wanted(folder: Path) -> int:
     """The background builder: load the base as FOLDER/builder.json says, then build every shape
     listed in FOLDER/wanted/ (oldest first) until none has come for the spec's idle_s -> graphs built.
@@ -410,6 +486,7 @@ def build_wanted(folder: Path) -> int:
             log.error("%s loads as another model or machine than %s's key: nothing built", spec["model"], folder)
             return 0
         run = blocks.block_linears(model) if on_blocks(model) else model  # the layers CompiledBackend runs
+        drafts: dict[str, torch.nn.Module] = {}  # drafter folder -> its drafting module
         idle_since = time.perf_counter()
         with torch.inference_mode():
             while True:
@@ -425,10 +502,19 @@ def build_wanted(folder: Path) -> int:
                         break
                     time.sleep(0.5)
                     continue
-                shape = json.loads(todo[0].read_text())["shape"]
-                shape = (*shape[:5], tuple(shape[5]) if shape[5] else None)
+                record = json.loads(todo[0].read_text())
                 t0 = time.perf_counter()
-                build_graph(dummy_args(run, shape), folder / (todo[0].stem + ".pt2"))
+                if "draft" in record:  # a drafter's drafting (DraftGraphs)
+                    draft = record["draft"]
+                    if draft["folder"] not in drafts:
+                        drafts[draft["folder"]] = draft_module(run, draft["folder"])
+                    module = drafts[draft["folder"]]
+                    key = (draft["width"], draft["depth"], draft["budget"])
+                    build_graph((module, *module.dummy_inputs(), *key), folder / (todo[0].stem + ".pt2"), _draft)
+                else:
+                    shape = record["shape"]
+                    shape = (*shape[:5], tuple(shape[5]) if shape[5] else None)
+                    build_graph(dummy_args(run, shape), folder / (todo[0].stem + ".pt2"))
                 todo[0].unlink(missing_ok=True)
                 built += 1
                 log.info("built %s (%.0f s)", todo[0].stem, time.perf_counter() - t0)

@@ -116,6 +116,10 @@ class EagerBackend:
     def release(self, cache) -> None:
         """A verifier is done with `cache`."""
 
+    def drafting(self, drafter):
+        """Compiled drafting for `drafter` (compiled.DraftGraphs); eager: none."""
+        return None
+
     def warmup(self, sizes: list[int], max_slots: int) -> float:
         """Compile ahead of time (compiled.py); nothing to do when eager."""
         return 0.0
