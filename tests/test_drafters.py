@@ -473,11 +473,13 @@ def test_cli_picks_the_drafter_from_the_checkpoint(capsys, monkeypatch, base_dir
 
 # compiled drafting ---------------------------------------------------------------------------------
 
-def test_hydra_drafting_on_a_saved_graph_drafts_the_eager_trees_and_stays_exact(tmp_path):
+def test_hydra_drafting_on_a_saved_graph_drafts_the_eager_trees_and_stays_exact(tmp_path, monkeypatch):
     """A compiled backend drafts hydra's trees on a saved graph (HydraDraft, one per width, depth and
-    budget): the graph's tree is the eager drafting's, and decoding gives plain decoding's tokens."""
+    budget): the graph's tree is the eager drafting's, with the weights of the drafter that runs it,
+    decoding gives plain decoding's tokens, and a graph that does not compile leaves drafting eager."""
     from medusa_decoding.models import use_fast_attention
     from medusa_decoding.proposers.hydra import expander
+    from medusa_decoding.verifiers import compiled
     from medusa_decoding.verifiers.compiled import CompiledBackend
     from medusa_decoding.verifiers.transformers import EagerBackend
 
@@ -500,6 +502,16 @@ def test_hydra_drafting_on_a_saved_graph_drafts_the_eager_trees_and_stays_exact(
         assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
         torch.testing.assert_close(got[3], want[3])
     assert len(list(tmp_path.rglob("draft-hydra-*-4-4-5.pt2"))) == 1
+    # another drafter of the same shape (retrained, say) loads that graph and drafts with its own weights
+    other = proposers.wrap(make("hydra", base, seed=21, feature_layers=[1, 2]), base, budget=5)
+    loaded, again = backend.loaded, backend.drafting(other)
+    features, root = torch.randn(2 * d, generator=g), torch.randint(0, 256, (1,), generator=g)
+    with torch.inference_mode():
+        got = again.run((other.width, 4, 5), (features, root))
+        want = grow_tree(*expander(other.net, other.embed, other.short, features, root), other.width, 4, 5)
+        mine = graphs.run((spec.width, 4, 5), (features, root))
+    assert backend.loaded == loaded + 1 and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
+    assert not torch.equal(got[3], mine[3])
     plain = MedusaModel(base, byte_tokenizer(), backend=EagerBackend(base))
     for prompt in prompts(3, seed=12):
         ids = torch.tensor([prompt])
@@ -507,6 +519,16 @@ def test_hydra_drafting_on_a_saved_graph_drafts_the_eager_trees_and_stays_exact(
         out = model.generate(ids, max_new_tokens=24, ignore_eos=True)
         assert out.token_ids == plain.generate(ids, max_new_tokens=24, ignore_eos=True).token_ids
         assert graphs.runs - runs == out.stats.steps
+
+    def no_compiler(args, path, fn=None):
+        calls.append(path)
+        raise RuntimeError("no C++ compiler")
+
+    calls = []
+    monkeypatch.setattr(compiled, "build_graph", no_compiler)
+    with torch.inference_mode():
+        assert graphs.run((spec.width, 2, 3), (features, root)) is None and graphs.failed == {(spec.width, 2, 3)}
+        assert graphs.run((spec.width, 2, 3), (features, root)) is None and len(calls) == 1
 
 
 def test_the_background_builder_builds_hydra_drafting_and_the_next_run_drafts_on_it(tmp_path_factory, tmp_path):

@@ -438,6 +438,7 @@ class DraftGraphs:
     def __init__(self, backend: CompiledBackend, module: torch.nn.Module, source: Path | None):
         self.backend, self.module, self.source = backend, module, source
         self.graphs: dict[tuple[int, int, int], object] = {}
+        self.failed: set[tuple[int, int, int]] = set()  # keys whose graph did not compile here
         self.runs = 0  # drafting calls run on a graph
 
     def run(self, key: tuple[int, int, int], inputs: tuple) -> tuple | None:
@@ -445,12 +446,17 @@ class DraftGraphs:
         from its graph, or None where there is none yet (draft eager)."""
         graph = self.graphs.get(key)
         if graph is None:
-            if self.backend.mode is CompileMode.AUTO and self.source is None:
-                return None  # nothing a background builder could load it from
+            if key in self.failed or (self.backend.mode is CompileMode.AUTO and self.source is None):
+                return None  # it did not compile, or no background builder could load the drafter
             name = draft_name(self.module, key)
             what = "the drafting of {} (width {}, depth {}, budget {})".format(self.module.config.drafter, *key)
             record = {"draft": {"folder": str(self.source), "width": key[0], "depth": key[1], "budget": key[2]}}
-            graph = self.backend.graph(name, what, record, (self.module, *inputs, *key), _draft)
+            try:
+                graph = self.backend.graph(name, what, record, (self.module, *inputs, *key), _draft)
+            except Exception as e:  # noqa: BLE001 - drafting is an optimisation: eager drafts the same tree
+                log.warning("%s does not compile (%s: %s): it drafts eager", what, type(e).__name__, e)
+                self.failed.add(key)
+                return None
             if graph is None:
                 return None
             self.graphs[key] = graph
@@ -504,13 +510,18 @@ def build_wanted(folder: Path) -> int:
                     continue
                 record = json.loads(todo[0].read_text())
                 t0 = time.perf_counter()
-                if "draft" in record:  # a drafter's drafting (DraftGraphs)
+                if "draft" in record:  # a drafter's drafting (DraftGraphs): the run drafts eager without it
                     draft = record["draft"]
-                    if draft["folder"] not in drafts:
-                        drafts[draft["folder"]] = draft_module(run, draft["folder"])
-                    module = drafts[draft["folder"]]
-                    key = (draft["width"], draft["depth"], draft["budget"])
-                    build_graph((module, *module.dummy_inputs(), *key), folder / (todo[0].stem + ".pt2"), _draft)
+                    try:
+                        if draft["folder"] not in drafts:
+                            drafts[draft["folder"]] = draft_module(run, draft["folder"])
+                        module = drafts[draft["folder"]]
+                        key = (draft["width"], draft["depth"], draft["budget"])
+                        build_graph((module, *module.dummy_inputs(), *key), folder / (todo[0].stem + ".pt2"), _draft)
+                    except Exception as e:  # noqa: BLE001 - the verify graphs still get built
+                        log.error("cannot build %s (%s: %s)", todo[0].stem, type(e).__name__, e)
+                        todo[0].unlink(missing_ok=True)
+                        continue
                 else:
                     shape = record["shape"]
                     shape = (*shape[:5], tuple(shape[5]) if shape[5] else None)
