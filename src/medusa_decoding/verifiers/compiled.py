@@ -289,14 +289,14 @@ class CompiledBackend(EagerBackend):
             b, n, width, capacity, rows, layers = shape
             what = f"the verify step for {b} rows x {n} nodes, width {width}"
             record = {"shape": [b, n, width, capacity, rows, list(layers) if layers else None]}
-            graph = self.graph(graph_name(shape), what, record, args)
+            graph = self.saved_graph(graph_name(shape), what, record, args)
             if graph is None:  # auto: eager until the background builder has saved it
                 self.eager_steps += 1
                 return forward(*args[:5], layers=layers)
             self.shapes[shape] = graph
         return graph(*args)
 
-    def graph(self, name: str, what: str, record: dict, args: tuple, fn=None):
+    def saved_graph(self, name: str, what: str, record: dict, args: tuple, fn=None):
         """The saved graph `name` (of `fn`, default the verify step, on `args`; `record`: what the
         background builder reads to build it): mode on loads or compiles it, waiting; mode auto loads
         it once saved, else asks the builder and returns None (run it eager meanwhile)."""
@@ -419,7 +419,7 @@ class CompiledBackend(EagerBackend):
                 "eager_steps": self.eager_steps, "missing": len(self.missing)}
 
 
-def draft_module(base, folder: str) -> torch.nn.Module:
+def load_draft_module(base, folder: str) -> torch.nn.Module:
     """The drafting module of the drafter saved in `folder`, on `base` (the builder's)."""
     from .. import proposers
 
@@ -436,7 +436,9 @@ class DraftGraphs:
     graph's first input: its weights are read, not folded in."""
 
     def __init__(self, backend: CompiledBackend, module: torch.nn.Module, source: Path | None):
-        self.backend, self.module, self.source = backend, module, source
+        self.backend, self.module = backend, module
+        # where the builder loads the drafter from: absolute, as it may be another process's builder, elsewhere
+        self.source = Path(source).resolve() if source is not None else None
         self.graphs: dict[tuple[int, int, int], object] = {}
         self.failed: set[tuple[int, int, int]] = set()  # keys whose graph did not compile here
         self.runs = 0  # drafting calls run on a graph
@@ -452,7 +454,7 @@ class DraftGraphs:
             what = "the drafting of {} (width {}, depth {}, budget {})".format(self.module.config.drafter, *key)
             record = {"draft": {"folder": str(self.source), "width": key[0], "depth": key[1], "budget": key[2]}}
             try:
-                graph = self.backend.graph(name, what, record, (self.module, *inputs, *key), _draft)
+                graph = self.backend.saved_graph(name, what, record, (self.module, *inputs, *key), _draft)
             except Exception as e:  # noqa: BLE001 - drafting is an optimisation: eager drafts the same tree
                 log.warning("%s does not compile (%s: %s): it drafts eager", what, type(e).__name__, e)
                 self.failed.add(key)
@@ -514,7 +516,7 @@ def build_wanted(folder: Path) -> int:
                     draft = record["draft"]
                     try:
                         if draft["folder"] not in drafts:
-                            drafts[draft["folder"]] = draft_module(run, draft["folder"])
+                            drafts[draft["folder"]] = load_draft_module(run, draft["folder"])
                         module = drafts[draft["folder"]]
                         key = (draft["width"], draft["depth"], draft["budget"])
                         build_graph((module, *module.dummy_inputs(), *key), folder / (todo[0].stem + ".pt2"), _draft)
