@@ -1,5 +1,6 @@
 """`medusa generate`: streamed output, one stats line, and exit status 2 with one line per bad input."""
 
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,17 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     code, out3, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--no-medusa",
                              "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu", "--compile")
     assert code == 0 and out3 == out and "s of it compiling" in err.splitlines()[-1]
+    from medusa_decoding.datastore import Datastore
+
+    store = Path(folder) / "ds.safetensors"
+    Datastore.from_answers([list(b"hello world"), list(b"lo and behold")]).save(store)
+    code, out4, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--heads", heads,
+                             "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu", "--datastore", store)
+    assert code == 0 and out4 == out and "n-gram branch (context, then datastore)]" in err.splitlines()[-1]
+    store.write_bytes(b"junk")
+    code, _, err = medusa(capsys, monkeypatch, "generate", "-p", "hello", "--model", folder, "--datastore", store,
+                          "--no-chat", "-n", "12", "--dtype", "float32", "--device", "cpu")
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {store} is not a datastore")
 
 
 @pytest.mark.parametrize("args, message", [

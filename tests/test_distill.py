@@ -229,5 +229,20 @@ def test_a_packed_folder_unpacks_to_the_same_conversations_and_resumes(base_dir,
     assert json.loads((tmp_path / "u" / "manifest.json").read_text())["tokens"] == json.loads(
         (tmp_path / "d" / "manifest.json").read_text())["tokens"]
     assert unpack_file(packed, tmp_path / "u", source=str(data), device="cpu", progress=False) == 0  # nothing to redo
+    # a datastore reads the same training answers from the folder and from its pack, the chat header before each
+    from medusa_decoding.datastore import LEAD, Datastore, answers_of
+
+    answers = list(answers_of(tmp_path / "d"))
+    assert answers == list(answers_of(packed))
+    kept = records(tmp_path / "d")
+    train = [r for r in kept if not is_held_out(r)]
+    masks = [kept[r][1].bool() for r in train]
+    assert len(answers) == sum(int(m[0]) + int((m[1:] & ~m[:-1]).sum()) for m in masks)  # one a run of the mask
+    ids, mask = kept[train[0]][:2]
+    start = int(mask.nonzero()[0])
+    assert answers[0][:LEAD + 1] == ids[start - LEAD: start + 1].tolist()
+    code, _, err = run_cli(capsys, monkeypatch, "datastore", "--data", packed, "--out", tmp_path / "ds.safetensors")
+    assert code in (0, None) and f"{len(answers)} answers" in err
+    assert Datastore.load(tmp_path / "ds.safetensors").size == sum(len(a) + 1 for a in answers)
     more = distill(str(base_dir), tmp_path / "u", **kw)
     assert more["already done"] == written and more["written"] == 9 - written

@@ -26,6 +26,7 @@ CompileOpt = typer.Option(None, "--compile/--no-compile", help="torch.compile th
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
 NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
+DatastoreOpt = typer.Option(None, "--datastore", help="A datastore file (medusa datastore: the model's own answers): where the n-gram branch looks when the context has no match; default: the context only.")
 CalibrationOpt = typer.Option(CalibrationMode.AUTO.value, "--calibration", help="The drafter's budget: auto (fitted to this machine from its verify and drafting costs, measured once in ~10-30 s and cached under $MEDUSA_CACHE), refresh (measure again) or shipped (the checkpoint's own).")
 NoMedusaOpt = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline).")
 
@@ -37,7 +38,7 @@ def fail(message: str) -> None:
 
 def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
                ngram: int = 0, tree_budget: Optional[int] = None, compile: Optional[bool] = False, exact: Optional[bool] = None,
-               calibration: str = CalibrationMode.AUTO.value):
+               calibration: str = CalibrationMode.AUTO.value, datastore: Optional[Path] = None):
     """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
     the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
     machine unless a tree or budget is given or --calibration shipped. compile: None is mode auto."""
@@ -49,6 +50,8 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
 
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
+    if datastore is not None and not ngram and not no_medusa:
+        fail("--datastore feeds the n-gram branch: drop --ngram 0")
     if tree_budget is not None and tree_budget < 2:
         fail(f"--tree-budget must be >= 2, got {tree_budget}")
     heads_arg = heads
@@ -61,7 +64,8 @@ def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: st
     m = MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
                                     ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
                                     compile=CompileMode.OFF if compile_mode is CompileMode.AUTO else compile_mode,
-                                    attn_implementation="exact" if exact else "auto")
+                                    attn_implementation="exact" if exact else "auto",
+                                    datastore=datastore)
     fit_budget = m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED
     refresh = mode == CalibrationMode.REFRESH
     # what will run the model after the fits: the budget is fitted to its costs once its graphs are saved
@@ -113,6 +117,7 @@ def generate(
     device: str = DeviceOpt,
     no_medusa: bool = NoMedusaOpt,
     ngram: int = NgramOpt,
+    datastore: Optional[Path] = DatastoreOpt,
     compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
@@ -124,7 +129,7 @@ def generate(
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
     m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
-                   calibration=calibration)
+                   calibration=calibration, datastore=datastore)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, use_medusa=not no_medusa,
                       **sampling)
     for delta in stream:
@@ -178,12 +183,35 @@ def distill_data(
 
 
 @app.command()
+def datastore(
+    data: Path = typer.Option(..., "--data", help="A medusa distill-data folder, or its --pack file (.jsonl.gz): the base model's own answers."),
+    out: Path = typer.Option(..., "--out", help="The datastore file to write (.safetensors; ~2 bytes a token)."),
+    split: str = typer.Option("train", "--split", help="train (what drafters train on: held-out answers stay held out), eval or all."),
+) -> None:
+    """A datastore for the n-gram branch: the answers of self-distilled data, searched by the context's longest suffix where the context itself has no match (generate/serve/bench --datastore FILE)."""
+    import time
+
+    from .datastore import Datastore, answers_of
+
+    if split not in ("train", "eval", "all"):
+        fail(f"--split must be train, eval or all, got {split!r}")
+    t0 = time.perf_counter()
+    answers = [a for part in (("train", "eval") if split == "all" else (split,)) for a in answers_of(data, part)]
+    store = Datastore.from_answers(answers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    store.save(out, {"source": str(data), "split": split, "answers": len(answers), "tokens": store.size})
+    typer.echo(f"{len(answers)} answers, {store.size} tokens -> {out} ({out.stat().st_size / 2**20:.1f} MiB) in "
+               f"{time.perf_counter() - t0:.1f} s", err=True)
+
+
+@app.command()
 def serve(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
     tree: Optional[str] = TreeOpt,
     tree_budget: Optional[int] = BudgetOpt,
     ngram: int = NgramOpt,
+    datastore: Optional[Path] = DatastoreOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, "--port"),
     max_batch_size: int = typer.Option(8, "--max-batch-size", help="Sequences decoded together; more requests wait in a queue."),
@@ -205,7 +233,7 @@ def serve(
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
     m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
-                   calibration=calibration)
+                   calibration=calibration, datastore=datastore)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
@@ -402,8 +430,9 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch; default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
+    datastore: Optional[Path] = DatastoreOpt,
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
     drafter: list[Path] = typer.Option([], "--drafter", help="A hydra or eagle checkpoint (repeatable) for methods hydra/eagle; default: the shipped ones."),
@@ -430,7 +459,7 @@ def bench(
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
         ngram_length=ngram, tree_budget=tree_budget,
         batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes is not None else None, batch_only=batch_only,
-        compile=compile, calibration=calibration,
+        compile=compile, calibration=calibration, datastore=str(datastore) if datastore else None,
     )
     run_bench(cfg)
 

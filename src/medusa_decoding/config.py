@@ -257,10 +257,16 @@ class NgramConfig:
     # alone: no drafting, a smaller tree while the answer copies its context; 0: never
     copy_run: int = 2
     copy_length: int = 12  # tokens of the chain on those steps, at least `length` (13 tokens cost ~1.2x one)
+    # where the context has no match: the longest suffix (store_max_ngram down to store_min_ngram tokens)
+    # looked up in the model's datastore of its own answers (datastore.py), when it has one
+    store_max_ngram: int = 8
+    store_min_ngram: int = 2
 
     def __post_init__(self) -> None:
         if min(self.length, self.copy_length) < 1 or not 1 <= self.min_ngram <= self.max_ngram or self.copy_run < 0:
             raise MedusaError("n-gram branch: need length, copy_length >= 1, 1 <= min_ngram <= max_ngram, copy_run >= 0")
+        if not 1 <= self.store_min_ngram <= self.store_max_ngram:
+            raise MedusaError("n-gram branch: need 1 <= store_min_ngram <= store_max_ngram")
 
     @property
     def copy_chain(self) -> int:

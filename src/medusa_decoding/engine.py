@@ -32,6 +32,7 @@ import torch
 from . import proposers
 from .acceptance import accept
 from .config import DEFAULT_MODEL, CompileMode, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from .datastore import Datastore
 from .models import load_base
 from .proposers import Drafter, Proposer
 from .proposers.ngram import NgramBranch
@@ -147,11 +148,12 @@ class Method:
 
     drafter: Drafter | None = None
     ngram: NgramConfig | None = None
+    store: Datastore | None = None  # where the n-gram branch looks when the context has no match
 
     def proposer(self) -> Proposer:
         inner = self.drafter.proposer() if self.drafter is not None else None
         if self.ngram is not None:
-            return NgramBranch(inner, self.ngram)
+            return NgramBranch(inner, self.ngram, self.store)
         return inner or Proposer()
 
     @property
@@ -188,7 +190,8 @@ class Method:
 
     def describe(self) -> str:
         parts = [self.drafter.describe()] if self.drafter is not None else []
-        parts += [f"{self.ngram.length}-token n-gram branch"] if self.ngram else []
+        if self.ngram:
+            parts.append(f"{self.ngram.length}-token n-gram branch" + (" (context, then datastore)" if self.store else ""))
         return " + ".join(parts) or "plain"
 
 
@@ -623,10 +626,11 @@ class MedusaModel:
 
     def __init__(self, base, tokenizer, heads=None, tree=None, name: str = "", ngram: NgramConfig | bool | None = None,
                  tree_budget: int | None = None, backend: EagerBackend | None = None,
-                 compile: bool | CompileMode | str = False):
+                 compile: bool | CompileMode | str = False, datastore: Datastore | None = None):
         """heads: drafter weights (MedusaHeads, HydraHeads, EagleDrafter, any registered kind), a
         Drafter, or None (plain decoding). tree: for Medusa heads (file, paths, "dynamic").
-        compile: a CompileMode (True: on, False: off)."""
+        compile: a CompileMode (True: on, False: off). datastore: where the n-gram branch looks when
+        the context has no match (None: the context only)."""
         self.base, self.tokenizer = base, tokenizer
         self.name = name or base.config.name_or_path
         # how the base runs; share one backend between models on the same base
@@ -637,6 +641,7 @@ class MedusaModel:
             self.drafter = proposers.wrap(heads, base, tree, tree_budget)
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.ngram_asked = self.ngram  # the chain asked for; a fit to the machine may run without it (costs.py)
+        self.datastore = datastore
         gen = getattr(base, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else base.config.get_text_config().eos_token_id
@@ -659,7 +664,7 @@ class MedusaModel:
         if not use_medusa:
             return Method()
         resting = self.drafter is not None and self.drafter.default_budget < 2  # a fit found no tree worth it
-        return Method(None if resting else self.drafter, self.ngram)
+        return Method(None if resting else self.drafter, self.ngram, self.datastore)
 
     def verifier(self, rows: int = 1, use_medusa: bool = True) -> TransformersVerifier:
         """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""
@@ -715,6 +720,7 @@ class MedusaModel:
         attn_implementation: str = "auto",
         ngram: NgramConfig | bool | None = None,
         compile: bool | CompileMode | str = False,
+        datastore: str | Path | Datastore | None = None,
     ) -> MedusaModel:
         """Load a base model (built-in alias, HF folder or .gguf) and a drafter.
 
@@ -727,7 +733,8 @@ class MedusaModel:
         an NgramConfig) adds a prompt-lookup branch to every tree. compile: torch.compile the
         verification step: "on" (True; static shapes, compiled on first use or by `warmup`), "auto"
         (saved graphs where this machine has them, built in the background otherwise; float32
-        only) or "off" (False).
+        only) or "off" (False). datastore (with an n-gram branch): where its chain comes from when
+        the context has no match: a file (`medusa datastore`), a Datastore, or None (the context only).
         """
         compile = CompileMode.parse(compile)
         if compile is CompileMode.ON and attn_implementation == "exact":
@@ -741,8 +748,10 @@ class MedusaModel:
                 raise MedusaError(f"no heads are shipped for {base!r}; pass a heads folder or heads=None")
         if isinstance(heads, (str, Path)):
             heads = proposers.load(heads, model)
+        if isinstance(datastore, (str, Path)) and ngram:  # read only where a chain will look in it
+            datastore = Datastore.load(datastore)
         return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget,
-                   compile=compile)
+                   compile=compile, datastore=datastore if isinstance(datastore, Datastore) else None)
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
         """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..config import DEFAULT_MODEL, CalibrationMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 
@@ -68,6 +69,7 @@ class BenchConfig:
     batch_only: bool = False  # ... and skip the per-prompt method comparison
     compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
     calibration: str = CalibrationMode.AUTO.value  # drafter budgets: fitted to this machine, or the shipped ones
+    datastore: str | None = None  # a datastore file (datastore.py) for the n-gram chains of default and +ngram methods
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -96,6 +98,8 @@ class BenchConfig:
                                   f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
                                   f"any but hf*/{LLAMACPP} with {EXACT}, {COMPILED} or {STOCK}")
         self.calibration = CalibrationMode.parse(self.calibration).value
+        if self.datastore is not None and not Path(self.datastore).expanduser().is_file():
+            raise MedusaError(f"--datastore {self.datastore}: no such file (medusa datastore writes one)")
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
         if self.batch_sizes is not None and (not self.batch_sizes or any(

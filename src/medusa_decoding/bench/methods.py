@@ -187,6 +187,7 @@ def default_heads(cfg: BenchConfig):
 def build_methods(cfg: BenchConfig):
     """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
     MedusaModel or None). Every variant shares the base and its backend (compiled graphs too)."""
+    from ..datastore import Datastore
     from ..engine import MedusaModel, shipped_heads
     from ..models import BUILTIN_MODELS
     from ..proposers.medusa import DYNAMIC
@@ -215,6 +216,7 @@ def build_methods(cfg: BenchConfig):
         llamacpp._import()
     base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
     ngram = NgramConfig(length=cfg.ngram_length)
+    store = Datastore.load(cfg.datastore) if cfg.datastore and any(NGRAM in k for k in kinds) else None
     loaded: dict[str, object] = {}
 
     def weights(folder):
@@ -224,9 +226,11 @@ def build_methods(cfg: BenchConfig):
         return loaded[key]
 
     def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False, on=None) -> MedusaModel:
-        """on: the compiled backend whose costs the budget is fitted to (a method's @compiled mode)."""
+        """plus: with the n-gram branch (and --datastore's file, when given); on: the compiled backend
+        whose costs the budget is fitted to (a method's @compiled mode)."""
         model = MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
-                            ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend)
+                            ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend,
+                            datastore=store if plus else None)
         if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != CalibrationMode.SHIPPED:
             log.info("%s", model.fit_to_machine(refresh=cfg.calibration == CalibrationMode.REFRESH, compiled=on).line)
         return model

@@ -4,6 +4,10 @@ the root of the other proposer's tree, verified in the same forward.
 
 Glossary: T context length, L chain length, N tree nodes (root first).
 
+Where the context has no match, the chain comes from a datastore of the base model's own answers
+(datastore.py) when the model has one: the phrases it answers with, retrieved by the longest
+suffix of the context.
+
 Copy steps are its own policy: after a step that accepted `copy_run` or more chain tokens the
 answer is copying its context, so the next step verifies a longer chain alone (no drafting).
 """
@@ -15,6 +19,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config import NgramConfig
+from ..datastore import Datastore
 from ..tree import TreeBuffers, build_tree, with_chain
 from . import Proposal, Proposer
 
@@ -49,10 +54,11 @@ def padded(tokens: np.ndarray, length: int, device) -> torch.Tensor:
 
 
 class NgramBranch(Proposer):
-    """`inner`'s proposals (None: the root alone) plus the n-gram chain when the context has one."""
+    """`inner`'s proposals (None: the root alone) plus the n-gram chain when the context (else the
+    datastore, if any) has one."""
 
-    def __init__(self, inner: Proposer | None, config: NgramConfig):
-        self.inner, self.config = inner, config
+    def __init__(self, inner: Proposer | None, config: NgramConfig, store: Datastore | None = None):
+        self.inner, self.config, self.store = inner, config, store
         self.depth_limit = max(inner.depth_limit if inner else 0, config.copy_chain)
         self.context = np.zeros(0, dtype=np.int64)  # [T]: prompt and emitted tokens, the root last
         self.copying = False  # the last step accepted copy_run chain tokens or more
@@ -76,6 +82,8 @@ class NgramBranch(Proposer):
         cfg, copying = self.config, self.copying
         length = cfg.copy_chain if copying else cfg.length
         chain = lookup(self.context, cfg, length)
+        if chain is None and self.store is not None:
+            chain = self.store.lookup(self.context, length, cfg.store_max_ngram, cfg.store_min_ngram)
         base = None
         if not (copying and chain is not None) and self.inner is not None:
             base = self.inner.propose(root, budget)
