@@ -140,7 +140,7 @@ def tokenizer():
 
 
 def decode(model, input_ids, heads, tree, generation, sampling, eos_token_ids, stats, ngram=None, draft_budget=None,
-           backend=None):
+           backend=None, store=None):
     """One prompt through the engine's decode loop (the one-row case) -> yields each step's new
     tokens. heads: drafter weights or None; tree: Medusa heads' tree (ignored for drafters)."""
     from medusa_decoding import proposers
@@ -150,7 +150,7 @@ def decode(model, input_ids, heads, tree, generation, sampling, eos_token_ids, s
     drafter = None
     if heads is not None:
         drafter = proposers.wrap(heads, model, tree if heads.kind == "medusa" else None, draft_budget)
-    method = Method(drafter, ngram)
+    method = Method(drafter, ngram, store)
     verifier = TransformersVerifier(backend or EagerBackend(model), feature_layers=method.feature_layers)
     decoder = Decoder(verifier, method, eos_token_ids)
     out = decoder.add(Request(input_ids, generation, sampling, stats=stats))

@@ -85,20 +85,12 @@ def prompts(n, seed=0, vocab=256):
 
 
 def run(model, prompt, heads, ngram, store, max_new_tokens=40):
-    from medusa_decoding.engine import Decoder, Method, Request
-    from medusa_decoding import proposers
-    from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
-
-    drafter = proposers.wrap(heads, model, build_tree(DEFAULT_TREE)) if heads is not None else None
-    method = Method(drafter, ngram, store)
-    decoder = Decoder(TransformersVerifier(EagerBackend(model)), method, {EOS})
-    stats = GenerationStats()
-    out = decoder.add(Request(torch.tensor([prompt]), GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True),
-                              SamplingConfig(), stats=stats))
-    tokens = list(out.tokens)
-    while not out.finished:
-        (out,) = decoder.step()
-        tokens += out.tokens
+    """One prompt through the engine (conftest.decode) -> (new tokens, stats)."""
+    stats, tokens = GenerationStats(), []
+    for chunk in decode(model, torch.tensor([prompt]), heads, build_tree(DEFAULT_TREE),
+                        GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True), SamplingConfig(), {EOS},
+                        stats, ngram=ngram, store=store):
+        tokens += chunk
     return tokens, stats
 
 

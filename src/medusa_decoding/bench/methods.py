@@ -216,7 +216,7 @@ def build_methods(cfg: BenchConfig):
         llamacpp._import()
     base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
     ngram = NgramConfig(length=cfg.ngram_length)
-    store = Datastore.load(cfg.datastore) if cfg.datastore and any(NGRAM in k for k in kinds) else None
+    store = Datastore.load(cfg.datastore) if cfg.datastore else None  # default's chain and +ngram methods'
     loaded: dict[str, object] = {}
 
     def weights(folder):
