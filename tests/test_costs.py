@@ -215,6 +215,31 @@ def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_add
     assert recorder.chain_gain(NgramConfig(length=4, min_ngram=3)) == {1: 0.0, 2: 0.0, 3: 0.0}  # no 3-gram match
 
 
+def test_the_chains_gain_counts_the_copy_steps_that_follow_it():
+    """An answer that copies its 30-token prompt, a tree that never accepts: beside every tree the
+    2-token chain gains 2 a step; with copy steps (after 2 accepted chain tokens the 12-token chain
+    alone) a step gains more, and the recorded steps they pass over are not counted again. The
+    chain alone: 0 after the prompt's last token, then 2, then copy steps of 12 until the end."""
+    from medusa_decoding.proposers import Proposer
+
+    prompt = list(range(5, 35))  # 30 distinct tokens
+    recorder = cal._Recorder(Proposer(), [2], {2: 0, "steps": 0})
+    recorder.context = prompt + prompt
+    recorder.steps = [(at, {2: 0}) for at in range(30, 60)]  # one token a step: the tree kept nothing
+    beside = recorder.chain_gain(NgramConfig(length=2, copy_run=0))
+    copying = recorder.chain_gain(NgramConfig(length=2, copy_run=2, copy_length=12))
+    assert beside[2] == pytest.approx(sum(min(2, 60 - at) for at in range(31, 60)) / 30)  # at 30 no earlier match
+    # steps at 30 (0), 31 (2), then copies from 34: 12, 12 (to 60): 4 steps, 30 tokens, vs 1 a step without
+    assert copying[2] == pytest.approx(30 / 4 - 1)
+    assert beside[1] == pytest.approx(2 * 10 / 11)  # 30: 0; 31, 34, ..., 58: 2 each
+    assert copying[1] == pytest.approx((0 + 2 + 12 + 12) / 4)
+
+
+def test_the_chains_gain_is_the_mean_over_prompts_not_the_median():
+    """It comes in bursts, on the prompts whose answers copy: the mean is what a run of them gains."""
+    assert cal.chained_tau({4: 2.0}, {1: [0.0, 0.0, 1.5], 4: [0.0, 0.3, 2.7]}) == pytest.approx({1: 1.5, 4: 3.0})
+
+
 @pytest.mark.parametrize("kind", ["hydra", "eagle"])
 def test_acceptance_is_measured_for_drafters_on_fused_features(model, kind):
     drafter = make(kind, model, seed=3, feature_layers=[1, 2])
@@ -230,9 +255,11 @@ def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(
     m.ngram = m.ngram_asked = NgramConfig(length=8)
     chained = {1: 1.3} | {b: tau + 0.3 for b, tau in ACCEPT.items()}
     (tmp_path / "d" / proposers.ACCEPTANCE_NAME).write_text(json.dumps(
-        {"expected_tau": ACCEPT, "expected_tau_ngram": chained, "ngram": {"length": 8, "max_ngram": 3, "min_ngram": 1}}))
+        {"expected_tau": ACCEPT, "expected_tau_ngram": chained,
+         "ngram": proposers.chain_settings(NgramConfig(length=8))}))
     assert m.drafter.acceptance(NgramConfig(length=8)) == pytest.approx(chained)
     assert m.drafter.acceptance(NgramConfig(length=4)) is None  # measured for another chain
+    assert m.drafter.acceptance(NgramConfig(length=8, copy_run=0)) is None  # counted with its copy steps
     key = costs.drafter_key(m.drafter)
     flat = costs.CostCurve({"processor": "AMX", "threads": 2, "dtype": "bfloat16", "verifier": "eager"}, 0.05,
                            {n: 1.0 + 0.003 * n for n in range(1, 49)}, {key: dict.fromkeys(ACCEPT, 0.05)})
@@ -256,7 +283,7 @@ def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(
     assert m.generate("hello", max_new_tokens=12, chat=False).stats.steps == plain.stats.steps
     (tmp_path / "d" / proposers.ACCEPTANCE_NAME).write_text(json.dumps(
         {"expected_tau": ACCEPT, "expected_tau_ngram": {b: 5.0 for b in [1, *ACCEPT]},
-         "ngram": {"length": 8, "max_ngram": 3, "min_ngram": 1}}))
+         "ngram": proposers.chain_settings(NgramConfig(length=8))}))
     fit = costs.fit_budget(m, dear, tmp_path / "c.json", "cached")
     assert (fit.budget, fit.chain) == (1, 8) and "chain alone" in fit.line
     method = m.method()

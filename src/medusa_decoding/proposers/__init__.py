@@ -112,6 +112,12 @@ class Drafter:
 ACCEPTANCE_NAME = "acceptance.json"  # a checkpoint's acceptance statistics (medusa calibrate)
 
 
+def chain_settings(ngram: NgramConfig) -> dict:
+    """What an acceptance file records of the n-gram branch its chain figures were counted for."""
+    return {"length": ngram.length, "max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram,
+            "copy_run": ngram.copy_run, "copy_length": ngram.copy_length}
+
+
 def read_acceptance(folder: str | Path | None, ngram: NgramConfig | None = None) -> dict[int, float] | None:
     """A checkpoint's acceptance.json -> {budget: expected accepted length}, or None; ngram: with
     that chain beside each tree (None where the file has no figures for that chain)."""
@@ -122,8 +128,7 @@ def read_acceptance(folder: str | Path | None, ngram: NgramConfig | None = None)
         if ngram is None:
             return {int(b): float(tau) for b, tau in raw["expected_tau"].items()}
         measured = raw.get("ngram") or {}
-        if "expected_tau_ngram" not in raw or measured != {"length": ngram.length, "max_ngram": ngram.max_ngram,
-                                                            "min_ngram": ngram.min_ngram}:
+        if "expected_tau_ngram" not in raw or measured != chain_settings(ngram):
             return None
         return {int(b): float(tau) for b, tau in raw["expected_tau_ngram"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
