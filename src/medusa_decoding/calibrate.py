@@ -15,6 +15,7 @@ Glossary: K heads, R ranks measured per head (10), n tree nodes (root included).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import statistics
@@ -235,6 +236,7 @@ class _Recorder(Proposer):
             chain = lookup(context[:at], config, length)
             return None if chain is None else agreed(chain, context[at:])
 
+        @functools.cache
         def copies(at: int) -> tuple[int, int, int]:  # copy steps from `at` -> (steps, tokens, where they end)
             steps = tokens = 0
             while at < len(context) and (found := match(at, config.copy_chain)) is not None:
@@ -242,6 +244,9 @@ class _Recorder(Proposer):
                 if found < config.copy_run:
                     break
             return steps, tokens, at
+
+        def copying_after(found: int, kept: int) -> bool:  # the chain won the step with copy_run tokens or more
+            return 0 < config.copy_run <= found and found > kept
 
         out = dict.fromkeys(self.budgets, 0.0)
         if self.steps:
@@ -254,16 +259,18 @@ class _Recorder(Proposer):
                     if at < until:
                         continue
                     steps, tokens = steps + 1, tokens + max(step[b], found) + 1
-                    if config.copy_run and found > step[b] and found >= config.copy_run:
+                    if copying_after(found, step[b]):
                         n, got, until = copies(at + found + 1)
                         steps, tokens = steps + n, tokens + got
                 out[b] = tokens / steps - plain / len(self.steps)
-            at, steps, gained, copying = self.steps[0][0], 0, 0, False
+            at, steps, tokens = self.steps[0][0], 0, 0
             while at < len(context):
-                found = match(at, config.copy_chain if copying else config.length) or 0
-                steps, gained, at = steps + 1, gained + found, at + found + 1
-                copying = 0 < config.copy_run <= found
-            out[1] = gained / steps
+                found = match(at, config.length) or 0
+                steps, tokens, at = steps + 1, tokens + found + 1, at + found + 1
+                if copying_after(found, 0):
+                    n, got, at = copies(at)
+                    steps, tokens = steps + n, tokens + got
+            out[1] = tokens / steps - 1
         return out
 
 
