@@ -217,7 +217,7 @@ def test_the_recorder_counts_what_an_ngram_chain_beside_each_tree_would_have_add
 
 def test_the_chains_gain_counts_the_copy_steps_that_follow_it():
     """An answer that copies its 30-token prompt, a tree that never accepts: beside every tree the
-    2-token chain gains 2 a step; with copy steps (after 2 accepted chain tokens the 12-token chain
+    2-token chain gains 2 a step, and the recorded steps it passes over are not counted again; with copy steps (after 2 accepted chain tokens the 12-token chain
     alone) a step gains more, and the recorded steps they pass over are not counted again. The
     chain alone: 0 after the prompt's last token, then 2, then copy steps of 12 until the end."""
     from medusa_decoding.proposers import Proposer
@@ -228,7 +228,9 @@ def test_the_chains_gain_counts_the_copy_steps_that_follow_it():
     recorder.steps = [(at, {2: 0}) for at in range(30, 60)]  # one token a step: the tree kept nothing
     beside = recorder.chain_gain(NgramConfig(length=2, copy_run=0))
     copying = recorder.chain_gain(NgramConfig(length=2, copy_run=2, copy_length=12))
-    assert beside[2] == pytest.approx(sum(min(2, 60 - at) for at in range(31, 60)) / 30)  # at 30 no earlier match
+    # at 30 no earlier match; at 31 the chain accepts 2, so the recorded steps at 32 and 33 are passed over (the
+    # chain went past them), then 34, ..., 58 the same: the chain alone's walk, as the tree never accepts
+    assert beside[2] == pytest.approx(2 * 10 / 11)
     # steps at 30 (0), 31 (2), then copies from 34: 12, 12 (to 60): 4 steps, 30 tokens, vs 1 a step without
     assert copying[2] == pytest.approx(30 / 4 - 1)
     assert beside[1] == pytest.approx(2 * 10 / 11)  # 30: 0; 31, 34, ..., 58: 2 each

@@ -228,7 +228,9 @@ class _Recorder(Proposer):
         run (their starts are where the drafter stopped) and the longer of its tree and the chain at
         each; after a step the chain won with copy_run tokens or more, copy steps follow as the
         branch runs them (the copy chain alone, each counted as one step, while they accept
-        copy_run or more), and the recorded steps they pass over are left out. Budget 1, the chain
+        copy_run or more), and the recorded steps they pass over are left out, as are those a chain
+        accepted beyond the recorded step passes over (counted again, they made an 8-token chain
+        look worth 0.4 tau more than replaying it gives, scripts/replay_ngram.py). Budget 1, the chain
         alone, is decoded over the answer as it would have gone (each step advances by its match + 1)."""
         context = np.asarray(self.context, dtype=np.int64)
 
@@ -251,9 +253,10 @@ class _Recorder(Proposer):
         out = dict.fromkeys(self.budgets, 0.0)
         if self.steps:
             founds = [match(at, config.length) or 0 for at, _ in self.steps]
+            largest = max(self.budgets)  # the recorded run's budget: its steps kept every accepted node
             for b in out:
                 steps = tokens = plain = 0
-                until = 0  # the recorded steps before this position were passed over by copy steps
+                until = 0  # the recorded steps before this position were passed over (by the chain or copy steps)
                 for (at, step), found in zip(self.steps, founds):
                     plain += step[b] + 1
                     if at < until:
@@ -262,6 +265,8 @@ class _Recorder(Proposer):
                     if copying_after(found, step[b]):
                         n, got, until = copies(at + found + 1)
                         steps, tokens = steps + n, tokens + got
+                    elif found > step[largest]:  # the chain went past where the recorded run's next step starts
+                        until = at + found + 1
                 out[b] = tokens / steps - plain / len(self.steps)
             at, steps, tokens = self.steps[0][0], 0, 0
             while at < len(context):
