@@ -75,9 +75,11 @@ def test_bench_trees_pld_repeats_sampling(capsys, monkeypatch, setup, tmp_path):
     code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
                                data / "prompts.jsonl", "--methods", "plain,medusa,hf-pld,dynamic+ngram,plain+ngram", "--tree", data / "small.json",
                                "--tree", data / "deep.json", "--turns", "1", "--limit", "1", "--repeats", "2",
-                               "--temperature", "0.8", "-n", "6", "--dtype", "float32", "--device", "cpu", "--out", out)
+                               "--temperature", "0.8", "-n", "6", "--dtype", "float32", "--device", "cpu", "--out", out,
+                               "--ngram-length", "5", "--ngram-copy-run", "0")
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
+    assert (results["config"]["ngram_length"], results["config"]["ngram_copy_run"]) == (5, 0)
     assert results["methods"] == ["plain", "medusa:small", "medusa:deep", "hf-pld", "dynamic+ngram", "plain+ngram"]
     assert len(results["records"]) == 2 * 2 * 6 and all(len(r["token_ids"]) == 1 for r in results["records"])
     assert "skipped" in results["identity"]["medusa:small"] and "identity vs plain: skipped" in stdout
@@ -161,6 +163,14 @@ def test_batch_identity_per_prompt_first_round():
     identity = summarize_batch(runs, prompt_ids=["a", "b", "c"])[0]["identity"]
     assert identity == {"compared": 3, "differ": 2,  # round 1 is not compared
                         "first": {"prompt": "b", "index": 2, "reference_token": 3, "token": 4}}
+
+
+def test_the_ngram_branch_of_the_bench_methods():
+    from medusa_decoding.bench import BenchConfig
+    from medusa_decoding.config import NgramConfig
+
+    assert BenchConfig().ngram() == NgramConfig()  # the default's own chain
+    assert BenchConfig(ngram_length=16, ngram_copy_run=0).ngram() == NgramConfig(length=16, copy_run=0)
 
 
 def test_parse_batch_sizes():
@@ -252,6 +262,7 @@ def test_humaneval_prompts_only():
     (["--methods", "plain,medusa@shipped"], "@shipped is for default, hydra, eagle"),
     (["--calibration", "never"], "unknown calibration 'never'"),
     (["--limit", "0"], "limit must be >= 1"),
+    (["--ngram-copy-run", "-1"], "ngram_copy_run must be >= 0"),
     (["--repeats", "0"], "repeats must be >= 1"),
     (["--turns", "0"], "turns must be >= 1"),
     (["-n", "0"], "max_new_tokens must be >= 1"),

@@ -432,6 +432,7 @@ def bench(
     suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
+    copy_run: int = typer.Option(NgramConfig.copy_run, "--ngram-copy-run", help="Chain tokens accepted in a step after which the n-gram chain is verified alone (copy steps); 0: never, the chain beside every tree."),
     datastore: Optional[Path] = DatastoreOpt,
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Nodes of the dynamic tree (default 16) or of a hydra/eagle drafter's tree (default: its own)."),
     tree: list[Path] = typer.Option([], "--tree", help="Tree JSON file (repeatable): one method medusa:<file stem> each."),
@@ -457,7 +458,7 @@ def bench(
         model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,
         methods=methods, trees=[str(t) for t in tree], drafters=[str(d) for d in drafter], limit=limit, turns=turns, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, repeats=repeats, dtype=dtype, device=device, out=str(out) if out else None,
-        ngram_length=ngram, tree_budget=tree_budget,
+        ngram_length=ngram, ngram_copy_run=copy_run, tree_budget=tree_budget,
         batch_sizes=parse_batch_sizes(batch_sizes) if batch_sizes is not None else None, batch_only=batch_only,
         compile=compile, calibration=calibration, datastore=str(datastore) if datastore else None,
     )

@@ -64,12 +64,17 @@ class BenchConfig:
     device: str = "auto"
     out: str | None = None  # None: bench_out/<timestamp>
     ngram_length: int = NgramConfig.length  # tokens of the n-gram branch of "+ngram" methods and of default
+    ngram_copy_run: int = NgramConfig.copy_run  # chain tokens accepted that start copy steps (0: none)
     tree_budget: int | None = None  # nodes of the "dynamic" method's tree (16) or a drafter's (its own)
     batch_sizes: list[int] | None = None  # also measure plain vs medusa batched at each of these sizes
     batch_only: bool = False  # ... and skip the per-prompt method comparison
     compile: bool = False  # torch.compile our engine's verify step (compile time is reported, not timed)
     calibration: str = CalibrationMode.AUTO.value  # drafter budgets: fitted to this machine, or the shipped ones
     datastore: str | None = None  # a datastore file (datastore.py) for the n-gram chains of default and +ngram methods
+
+    def ngram(self) -> NgramConfig:
+        """The n-gram branch of default and the +ngram methods."""
+        return NgramConfig(length=self.ngram_length, copy_run=self.ngram_copy_run)
 
     def __post_init__(self) -> None:
         if self.prompts and self.suite:
@@ -102,6 +107,8 @@ class BenchConfig:
             raise MedusaError(f"--datastore {self.datastore}: no such file (medusa datastore writes one)")
         if self.ngram_length < 1 or (self.tree_budget is not None and self.tree_budget < 2):
             raise MedusaError("ngram_length must be >= 1 and tree_budget >= 2")
+        if self.ngram_copy_run < 0:
+            raise MedusaError(f"ngram_copy_run must be >= 0 (0: no copy steps), got {self.ngram_copy_run}")
         if self.batch_sizes is not None and (not self.batch_sizes or any(
                 isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes)):
             raise MedusaError(f"batch sizes must be integers >= 1, got {self.batch_sizes}")

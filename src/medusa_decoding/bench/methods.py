@@ -14,7 +14,7 @@ import torch
 
 from .. import proposers
 from ..attention import register_attention
-from ..config import CalibrationMode, DrafterKind, MedusaError, NgramConfig
+from ..config import CalibrationMode, DrafterKind, MedusaError
 from .config import COMPILED, EXACT, FITTED_KINDS, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, STOCK, BenchConfig, split_mode
 from .prompts import Prompt
 
@@ -215,7 +215,7 @@ def build_methods(cfg: BenchConfig):
         gguf = llamacpp.gguf_file(cfg.model)
         llamacpp._import()
     base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
-    ngram = NgramConfig(length=cfg.ngram_length)
+    ngram = cfg.ngram()
     store = Datastore.load(cfg.datastore) if cfg.datastore else None  # default's chain and +ngram methods'
     loaded: dict[str, object] = {}
 
