@@ -6,7 +6,7 @@ with n-gram chains of several lengths beside them, by category.
 
 On the built-in model, greedy, fp32. Each prompt is decoded once with the drafter at the largest
 budget; the smaller budgets and the chains are counted from its steps as `medusa calibrate` counts
-them (calibrate.acceptance_curve: a budget keeps the best-scored nodes of the largest tree, a chain
+them (calibrate.record_acceptance and chain_tau: a budget keeps the best-scored nodes of the largest tree, a chain
 the longer of its match and the tree's at each step, copy steps where the setting has them). Tau is
 the mean over a category's prompts, and overall the mean over categories. No timing: what the
 budget and the chain cost is the machine's (scripts/replay_ngram.py replays settings with it).
@@ -38,21 +38,9 @@ CHAINS = {  # name -> the n-gram branch's setting ("+copy": copy steps after a c
 def measure(model: MedusaModel, texts: list[str], max_new_tokens: int) -> dict:
     """One category's prompts -> {"tau": {budget: tau}, chain name: {budget: tau} (budget 1: the chain
     alone), "accepted": {budget: Counter of tree nodes accepted a step}}."""
-    counts = dict.fromkeys(BUDGETS, 0) | {"steps": 0}
-    recording = cal._Recording(model.drafter, list(BUDGETS), counts)
-    runner = MedusaModel(model.base, model.tokenizer, heads=recording, backend=model.backend)
-    for text in texts:
-        runner.generate(model.encode(text), max_new_tokens=max_new_tokens)
-    tau = {b: 1 + counts[b] / max(counts["steps"], 1) for b in BUDGETS}
-    out = {"tau": tau}
-    for name, chain in CHAINS.items():
-        gains = defaultdict(list)
-        for recorder in recording.made:
-            if recorder.steps:
-                for b, gain in recorder.chain_gain(chain).items():
-                    gains[b].append(gain)
-        out[name] = cal.chained_tau(tau, gains)
-    out["accepted"] = {b: Counter(step[b] for r in recording.made for _, step in r.steps) for b in BUDGETS}
+    tau, recorders, _ = cal.record_acceptance(model, [model.encode(t) for t in texts], max_new_tokens, BUDGETS)
+    out = {"tau": tau} | {name: cal.chain_tau(tau, recorders, chain) for name, chain in CHAINS.items()}
+    out["accepted"] = {b: Counter(step[b] for r in recorders for _, step in r.steps) for b in BUDGETS}
     return out
 
 

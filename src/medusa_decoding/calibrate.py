@@ -231,8 +231,8 @@ class _Recorder(Proposer):
         copy_run or more), and the recorded steps they pass over are left out; so are the recorded
         steps a chain went past when it accepted more than the recorded step did (counted again, they
         made an 8-token chain beside 16-node trees count tau 3.24 where decoding gave 2.85 on 26
-        Spec-Bench first turns). Budget 1, the chain
-        alone, is decoded over the answer as it would have gone (each step advances by its match + 1)."""
+        Spec-Bench first turns, AMD EPYC). Budget 1, the chain alone, is decoded over the answer as it
+        would have gone (each step advances by its match + 1)."""
         context = np.asarray(self.context, dtype=np.int64)
 
         def match(at: int, length: int) -> int | None:  # chain tokens the base accepts after the root at `at` - 1
@@ -304,17 +304,14 @@ def chained_tau(tau: dict[int, float], gains: dict[int, list[float]]) -> dict[in
     return {b: tau.get(b, 1.0) + (statistics.fmean(g) if g else 0.0) for b, g in gains.items()}
 
 
-def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 128, budgets=BUDGETS,
-                     progress=None, ngram: NgramConfig | None = None) -> dict:
-    """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each ->
-    {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
-    greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget.
-    ngram: also "expected_tau_ngram", the same with an n-gram chain of its length beside each tree
-    (budget 1: the chain alone): tau(b) plus the chain's gain counted from the same steps (its copy
-    steps included), the mean over prompts (default: NgramConfig())."""
+def record_acceptance(model, inputs: list[torch.Tensor], max_new_tokens: int, budgets,
+                      progress=None) -> tuple[dict[int, float], list[_Recorder], int]:
+    """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each, decoded greedily
+    with the drafter alone at the largest budget -> ({budget: mean accepted length per step, bonus
+    included}, one recorder a prompt (its steps and answer, for chain_tau), steps)."""
     from .engine import MedusaModel
 
-    budgets, ngram = sorted(budgets), ngram or NgramConfig()
+    budgets = sorted(budgets)
     counts = dict.fromkeys(budgets, 0) | {"steps": 0}
     recording = _Recording(model.drafter, budgets, counts)
     runner = MedusaModel(model.base, model.tokenizer, heads=recording, backend=model.backend)
@@ -323,17 +320,35 @@ def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 12
         if progress:
             progress(i + 1)
     steps = max(counts["steps"], 1)
-    tau = {b: 1.0 + counts[b] / steps for b in budgets}
-    gains = {b: [] for b in [1, *budgets]}
-    for recorder in recording.made:
+    return {b: 1.0 + counts[b] / steps for b in budgets}, recording.made, counts["steps"]
+
+
+def chain_tau(tau: dict[int, float], recorders: list[_Recorder], ngram: NgramConfig) -> dict[int, float]:
+    """record_acceptance's tau and recorders -> tau(b) with the n-gram branch of `ngram` beside each
+    tree (budget 1: the chain alone), its gain counted from the same steps, copy steps included."""
+    gains = {b: [] for b in [1, *tau]}
+    for recorder in recorders:
         if recorder.steps:
             for b, gain in recorder.chain_gain(ngram).items():
                 gains[b].append(gain)
+    return chained_tau(tau, gains)
+
+
+def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 128, budgets=BUDGETS,
+                     progress=None, ngram: NgramConfig | None = None) -> dict:
+    """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each ->
+    {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
+    greedy, the drafter alone (no n-gram branch), every prompt decoded at the largest budget.
+    ngram: also "expected_tau_ngram", the same with an n-gram chain of its length beside each tree
+    (budget 1: the chain alone): tau(b) plus the chain's gain counted from the same steps (its copy
+    steps included), the mean over prompts (default: NgramConfig())."""
+    ngram = ngram or NgramConfig()
+    tau, recorders, steps = record_acceptance(model, inputs, max_new_tokens, budgets, progress)
     return {"expected_tau": tau,
-            "expected_tau_ngram": chained_tau(tau, gains),
-            "ngram": chain_settings(ngram), "steps": counts["steps"], "prompts": len(inputs),
+            "expected_tau_ngram": chain_tau(tau, recorders, ngram),
+            "ngram": chain_settings(ngram), "steps": steps, "prompts": len(inputs),
             "max_new_tokens": max_new_tokens,
-            "drafted_at_budget": budgets[-1], "dtype": str(model.base.dtype).removeprefix("torch."),
+            "drafted_at_budget": max(budgets), "dtype": str(model.base.dtype).removeprefix("torch."),
             "data": "first user turns of held-out ShareGPT conversations, greedy"}
 
 
