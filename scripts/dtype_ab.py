@@ -34,7 +34,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models, methods = {}, {}
     for dtype in ("bfloat16", "float32"):
-        model = MedusaModel.from_pretrained(heads="shipped", ngram=True, dtype=dtype)
+        model = MedusaModel.from_pretrained(heads="shipped", ngram=True, compile="off", exact=False,
+                                            calibration="shipped", dtype=dtype)
         print(dtype, model.fit_to_machine().line, flush=True)
         model.generate("Hello", max_new_tokens=16)  # warm up both paths
         model.generate("Hello", max_new_tokens=16, use_medusa=False)

@@ -1,6 +1,6 @@
 """Where the time of one verification step goes: the reference path (transformers' SDPA and
 DynamicCache), the eager fast path (short-query attention, slot cache; its linears prepacked where
-verifiers/packed.py packs them, `stock` without) and the compiled step, saved (weights as graph
+kernels/packed.py packs them, `stock` without) and the compiled step, saved (weights as graph
 inputs, what compile mode auto loads) or frozen (weights folded in).
 
     .venv/bin/python scripts/profile_step.py --prefix 200 --nodes 1,16 --threads 2

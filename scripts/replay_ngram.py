@@ -33,7 +33,8 @@ from medusa_decoding import costs
 from medusa_decoding.bench.prompts import load_suite, select
 from medusa_decoding.config import CompileMode, NgramConfig
 from medusa_decoding.datastore import Datastore
-from medusa_decoding.engine import MedusaModel, make_backend, shipped_heads
+from medusa_decoding.engine import MedusaModel, make_backend
+from medusa_decoding.models import shipped_drafter
 from medusa_decoding.proposers.ngram import agreed, lookup
 
 
@@ -114,8 +115,9 @@ def main() -> None:
                          "without it, as context chains and without copy steps")
     args = ap.parse_args()
     store = Datastore.load(args.datastore) if args.datastore else None
-    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads=shipped_heads("smollm2-135m-instruct"),
-                                        dtype="auto", device="cpu", ngram=NgramConfig())
+    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads=shipped_drafter("smollm2-135m-instruct"),
+                                        dtype="auto", device="cpu", ngram=NgramConfig(), compile="off",
+                                        exact=False, calibration="shipped")
     settings = [tuple(map(int, s.split(":"))) for s in args.settings.split(",")]
     copy_length = NgramConfig().copy_length
     sizes = sorted({1, 1 + copy_length} | {n for b in costs.BUDGETS for n in [b] + [b + L for L, _ in settings]})

@@ -19,7 +19,8 @@ import time
 import openai
 
 from medusa_decoding.bench import load_suite, select
-from medusa_decoding.engine import MedusaModel, shipped_heads
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.models import shipped_drafter
 from medusa_decoding.config import NgramConfig
 from medusa_decoding.server import create_app, make_server
 
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    model = MedusaModel.from_pretrained(heads=shipped_heads("smollm2-135m-instruct"), ngram=NgramConfig(),
+    model = MedusaModel.from_pretrained(heads=shipped_drafter("smollm2-135m-instruct"), ngram=NgramConfig(), compile="off", exact=False, calibration="shipped",
                                         dtype=args.dtype, device="cpu")
     prompts = select(load_suite("spec-bench", args.limit), args.limit, 1)
     sock = socket.socket()

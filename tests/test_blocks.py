@@ -1,4 +1,4 @@
-"""Block linears (verifiers/blocks.py): fp32 weights that are GGUF Q4_1 / Q8_0 block values are found
+"""Block linears (kernels/blocks.py): fp32 weights that are GGUF Q4_1 / Q8_0 block values are found
 back bit for bit, the kernel's rows are one-row products, and decoding on them stays lossless."""
 
 import pytest
@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_decoding.spec import DecodeSpec
 from medusa_decoding.config import NgramConfig
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import use_fast_attention
-from medusa_decoding.verifiers import blocks
+from medusa_decoding.kernels import blocks
 from medusa_decoding.verifiers.compiled import CompiledBackend, compiles_by_default
 from medusa_decoding.verifiers.transformers import EagerBackend
 
@@ -201,7 +202,7 @@ def test_compile_auto_builds_graphs_that_run_on_blocks_in_the_background(tmp_pat
     folder = tmp_path / "model"
     gguf_like_llama(seed=4).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
-    model = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+    model = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
     backend = model.backend
     assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto" and backend.linears == "blocks"
     backend.builder_idle_s = 0.0  # the builder exits once the list is done
@@ -249,22 +250,22 @@ def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
 def test_auto_dtype_keeps_fp32_on_blocks_where_the_cpu_has_bf16_hardware(tmp_path, monkeypatch):
     """On a CPU with AVX-512 BF16 or AMX `auto` loads an fp32 checkpoint in fp32 and keeps it there
     when its linears run on blocks (a GGUF's), else in bf16 as before; elsewhere fp32."""
-    from medusa_decoding import models
+    from medusa_decoding import models, platform
 
     for name, base in (("gguf", gguf_like_llama()), ("random", tiny_llama())):
         base.save_pretrained(tmp_path / name)
         byte_tokenizer().save_pretrained(tmp_path / name)
     avx512 = ["avx2", "avx512f", "avx512_bf16"]
-    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX-512 BF16 CPU", avx512))
+    monkeypatch.setattr(platform, "cpu_info", lambda: ("AVX-512 BF16 CPU", avx512))
     assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.float32
     assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.bfloat16
     assert models.load_base(str(tmp_path / "gguf"), dtype="bfloat16", device="cpu")[0].dtype == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_info", lambda: ("AMX CPU", [*avx512, "amx_bf16"]))
+    monkeypatch.setattr(platform, "cpu_info", lambda: ("AMX CPU", [*avx512, "amx_bf16"]))
     assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.float32
     assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.bfloat16
     monkeypatch.setattr(blocks, "kernel", lambda: None)  # no kernel here: bf16 after all
     assert models.load_base(str(tmp_path / "gguf"), device="cpu")[0].dtype == torch.bfloat16
-    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
+    monkeypatch.setattr(platform, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
     assert models.load_base(str(tmp_path / "random"), device="cpu")[0].dtype == torch.float32
 
 

@@ -302,13 +302,13 @@ def test_the_compiled_ratio_waits_for_the_saved_graph(model, tmp_path):
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_in_hardware(monkeypatch):
-    from medusa_decoding import models
+    from medusa_decoding import models, platform
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(models, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
+    monkeypatch.setattr(platform, "cpu_info", lambda: ("AVX2 CPU", ["avx2"]))
     assert models.resolve_dtype("auto", cpu) == torch.float32
     for flags in (["avx2", "avx512f", "avx512_bf16"], ["avx2", "amx_bf16", "amx_int8"]):
-        monkeypatch.setattr(models, "cpu_info", lambda flags=flags: ("bf16 CPU", flags))
+        monkeypatch.setattr(platform, "cpu_info", lambda flags=flags: ("bf16 CPU", flags))
         assert models.resolve_dtype("auto", cpu) == torch.bfloat16
     assert models.resolve_dtype("float32", cpu) == torch.float32  # asked for: kept
 

@@ -148,7 +148,8 @@ def test_eagle3_trains_on_a_distilled_folder_and_drafts_losslessly(base_dir, tmp
     assert len(metrics["eval"]["top1"]) == 5 and metrics["eval"]["positions"][0] > 0  # per pass: depths 1-5
     assert len(list((tmp_path / "d" / "features").glob("eval-*"))) >= 1
     assert not (tmp_path / "run" / "features").exists()  # the base never ran for features
-    m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", dtype="float32", device="cpu")
+    m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", compile="off", dtype="float32",
+                                    device="cpu")
     assert m.drafter.feature_layers == (1, 2)
     plain = m.generate("question 3: what comes", max_new_tokens=30, use_medusa=False)
     spec = m.generate("question 3: what comes", max_new_tokens=30)
@@ -179,7 +180,8 @@ def test_evaluate_scores_a_hydra_checkpoint_as_training_did_and_refuses_what_it_
         pos = load_positions(shards, 4, fused=True)
         want = torch.cat([torch.cat([r[3], r[2]], -1) for r in records_of(shards).values()])
         assert torch.equal(pos.features(torch.arange(want.shape[0])), want)
-        m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", dtype="float32", device="cpu")
+        m = MedusaModel.from_pretrained(str(base_dir), heads=tmp_path / "run", compile="off", dtype="float32",
+                                    device="cpu")
         assert m.drafter.feature_layers == (1, 2)
         plain = m.generate("question 3: what comes", max_new_tokens=30, use_medusa=False)
         assert m.generate("question 3: what comes", max_new_tokens=30).token_ids == plain.token_ids
@@ -230,7 +232,8 @@ def test_a_packed_folder_unpacks_to_the_same_conversations_and_resumes(base_dir,
         (tmp_path / "d" / "manifest.json").read_text())["tokens"]
     assert unpack_file(packed, tmp_path / "u", source=str(data), device="cpu", progress=False) == 0  # nothing to redo
     # a datastore reads the same training answers from the folder and from its pack, the chat header before each
-    from medusa_decoding.datastore import LEAD, Datastore, answers_of
+    from medusa_decoding.data import answers_of
+    from medusa_decoding.datastore import LEAD, Datastore
 
     answers = list(answers_of(tmp_path / "d"))
     assert answers == list(answers_of(packed))

@@ -7,7 +7,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from medusa_decoding.attention import exact_attention
+from medusa_decoding.kernels.attention import exact_attention
 from medusa_decoding.config import GenerationConfig, MedusaError, NgramConfig
 from medusa_decoding.engine import MedusaModel, Request
 from medusa_decoding.models import use_fast_attention

@@ -1,4 +1,4 @@
-"""Packed linears (verifiers/packed.py): the eager bf16 step on prepacked weights gives the stock
+"""Packed linears (kernels/packed.py): the eager bf16 step on prepacked weights gives the stock
 step's logits bit for bit, leaves the model stock, and is refused where it would not be exact."""
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 from medusa_decoding.config import NgramConfig
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import use_fast_attention
-from medusa_decoding.verifiers import packed
+from medusa_decoding.kernels import packed
 from medusa_decoding.verifiers.transformers import EagerBackend
 
 from conftest import byte_tokenizer, random_heads, tiny_llama

@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 
+from medusa_decoding.spec import DecodeSpec
 from medusa_decoding.engine import MedusaModel
 
 from conftest import random_heads
@@ -25,7 +26,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def smollm():
     torch.set_num_threads(2)
-    yield MedusaModel.from_pretrained("smollm2-135m-instruct", dtype="float32", device="cpu")
+    yield MedusaModel.from_pretrained("smollm2-135m-instruct", DecodeSpec.plain(compile="off"), dtype="float32",
+                                      device="cpu")
     torch.set_num_threads(1)
 
 
@@ -51,10 +53,10 @@ def test_chat_template_and_eos(smollm):
 
 def test_shipped_heads_fit_and_stay_lossless(smollm):
     from medusa_decoding.config import NgramConfig
-    from medusa_decoding.engine import shipped_heads
+    from medusa_decoding.models import shipped_drafter
     from medusa_decoding.heads import MedusaHeads
 
-    folder = shipped_heads("smollm2-135m-instruct", "medusa")
+    folder = shipped_drafter("smollm2-135m-instruct", "medusa")
     assert folder is not None and (folder / "tree.json").is_file()
     heads = MedusaHeads.from_pretrained(folder)
     heads.check_fits(smollm.base)
@@ -70,9 +72,9 @@ def test_shipped_heads_fit_and_stay_lossless(smollm):
 def test_shipped_drafters_fit_and_stay_lossless(smollm, kind):
     from medusa_decoding import drafters
     from medusa_decoding.config import NgramConfig
-    from medusa_decoding.engine import shipped_heads
+    from medusa_decoding.models import shipped_drafter
 
-    folder = shipped_heads("smollm2-135m-instruct", kind)
+    folder = shipped_drafter("smollm2-135m-instruct", kind)
     if folder is None:
         pytest.skip(f"no {kind} drafter shipped")
     drafter = drafters.from_pretrained(folder, smollm.base)

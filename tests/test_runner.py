@@ -4,7 +4,8 @@ path (transformers' DynamicCache and SDPA): same attention, same kept cache, sam
 import pytest
 import torch
 
-from medusa_decoding.attention import MIN_KEYS, fits_short_query_attention, register_attention, short_query_attention
+from medusa_decoding.spec import DecodeSpec
+from medusa_decoding.kernels.attention import MIN_KEYS, fits_short_query_attention, register_attention, short_query_attention
 from medusa_decoding.cache import SlotCache, keep_path, new_cache
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from medusa_decoding.engine import GenerationStats, MedusaModel
@@ -242,12 +243,13 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
     folder, _ = save_tiny(tmp_path_factory, max_positions=512, with_heads=False)
     os.environ["MEDUSA_CACHE"], before = str(tmp_path), os.environ["MEDUSA_CACHE"]
     try:
-        model = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+        model = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
         backend = model.backend
         assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto" and not backend.freeze
         backend.builder_idle_s = 0.0  # the builder exits once the list is done
         ids = torch.tensor([long_prompts(1, length=40)[0]])
-        reference = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", attn_implementation="sdpa")
+        reference = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="off"), dtype="float32", device="cpu",
+                                                attn_implementation="sdpa")
         want = reference.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids
         t0 = time.perf_counter()
         assert model.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
@@ -261,13 +263,13 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
         backend.missing = dict.fromkeys(backend.missing, 0.0)  # as if RECHECK_S had passed
         assert model.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
         assert backend.loaded == 1 and backend.stats()["graphs"] == 1 and backend.stats()["missing"] == 0
-        again = MedusaModel.from_pretrained(str(folder), dtype="float32", device="cpu", compile="auto")
+        again = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
         assert again.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
         assert again.backend.stats()["eager_steps"] == 0 and again.backend.loaded == 1 and again.backend.builder is None
         # exact mode keeps its eager kernels under auto
         from medusa_decoding.engine import make_backend
 
-        exact = MedusaModel.from_pretrained(str(folder), dtype="bfloat16", device="cpu", compile="auto",
+        exact = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="bfloat16", device="cpu",
                                             attn_implementation="exact")
         assert not exact.backend.compiled and not make_backend(exact.base, "auto").compiled
     finally:

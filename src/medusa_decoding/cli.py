@@ -36,49 +36,30 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def load_model(model: str, heads: Optional[Path], tree: Optional[str], dtype: str, device: str, no_medusa: bool,
-               ngram: int = 0, tree_budget: Optional[int] = None, compile: Optional[bool] = False, exact: Optional[bool] = None,
-               calibration: str = CalibrationMode.AUTO.value, datastore: Optional[Path] = None):
-    """The model and method `generate` and `serve` run: with no --heads, the drafter shipped for
-    the built-in model (its Medusa heads when a --tree is given); its budget fitted to this
-    machine unless a tree or budget is given or --calibration shipped. compile: None is mode auto."""
-    from .engine import MedusaModel, make_backend, shipped_heads
-    from .verifiers.compiled import compiles_by_default
-
-    mode = CalibrationMode.parse(calibration)
-    compile_mode = CompileMode.AUTO if compile is None else CompileMode.parse(compile)
+def decode_spec(heads: Optional[Path], tree: Optional[str], no_medusa: bool, ngram: int = NgramConfig.length,
+                tree_budget: Optional[int] = None, compile: Optional[bool] = None, exact: Optional[bool] = None,
+                calibration: str = CalibrationMode.AUTO.value, datastore: Optional[Path] = None):
+    """The DecodeSpec of generate's and serve's method options (compile None: mode auto); with no
+    options, DecodeSpec() itself: what the Python API decodes by default."""
+    from .spec import DecodeSpec
 
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
-    if datastore is not None and not ngram and not no_medusa:
-        fail("--datastore feeds the n-gram branch: drop --ngram 0")
-    if tree_budget is not None and tree_budget < 2:
-        fail(f"--tree-budget must be >= 2, got {tree_budget}")
-    heads_arg = heads
+    if datastore is not None and (not ngram or no_medusa):
+        fail("--datastore feeds the n-gram branch: drop " + ("--no-medusa" if no_medusa else "--ngram 0"))
+    options = dict(tree=tree, tree_budget=tree_budget, ngram=ngram, datastore=datastore, exact=exact,
+                   compile=CompileMode.AUTO if compile is None else CompileMode.parse(compile),
+                   calibration=calibration)
     if no_medusa:
-        heads_arg = None
-    elif heads is None:
-        heads_arg = shipped_heads(model, "medusa" if tree is not None else None)  # a tree is for Medusa heads
-        if heads_arg is None and model == DEFAULT_MODEL:
-            typer.echo(f"note: no heads given and none shipped for {model}: plain decoding", err=True)
-    m = MedusaModel.from_pretrained(model, heads=heads_arg, tree=tree, dtype=dtype, device=device,
-                                    ngram=NgramConfig(length=ngram) if ngram else None, tree_budget=tree_budget,
-                                    compile=CompileMode.OFF if compile_mode is CompileMode.AUTO else compile_mode,
-                                    attn_implementation="exact" if exact else "auto",
-                                    datastore=datastore)
-    fit_budget = m.drafter is not None and tree is None and tree_budget is None and mode != CalibrationMode.SHIPPED
-    refresh = mode == CalibrationMode.REFRESH
-    # what will run the model after the fits: the budget is fitted to its costs once its graphs are saved
-    compiled = make_backend(m.base, compile_mode) if compile_mode is CompileMode.AUTO and compiles_by_default(m.base) \
-        else None
-    if exact is None and mode != CalibrationMode.SHIPPED:  # exact where it is (nearly) free here
-        for line in m.fit_exactness(fit_budget, refresh=refresh, use_medusa=not no_medusa, compiled=compiled).lines:
-            typer.echo(line, err=True)
-    elif fit_budget:
-        typer.echo(m.fit_to_machine(refresh=refresh, compiled=compiled).line, err=True)
-    if compiled is not None and compiles_by_default(m.base):  # once exact mode is chosen: it stays eager
-        m.backend = compiled
-    return m
+        return DecodeSpec.plain(**options | dict(tree=None, tree_budget=None, ngram=None))
+    return DecodeSpec(**options) if heads is None else DecodeSpec(drafter=str(heads), **options)
+
+
+def load_model(model: str, spec, dtype: str, device: str):
+    """The model `generate` and `serve` run: the library assembles the spec (engine.MedusaModel.from_spec)."""
+    from .engine import MedusaModel
+
+    return MedusaModel.from_pretrained(model, spec, dtype=dtype, device=device, report=lambda line: typer.echo(line, err=True))
 
 
 def compile_summary(backend) -> str:
@@ -128,15 +109,14 @@ def generate(
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
-                   calibration=calibration, datastore=datastore)
-    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, use_medusa=not no_medusa,
-                      **sampling)
+    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
+    m = load_model(model, spec, dtype, device)
+    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    typer.echo(f"[{m.method(not no_medusa).describe()}] {stream.stats.summary()}{compile_summary(m.backend)}", err=True)
+    typer.echo(f"[{m.method().describe()}] {stream.stats.summary()}{compile_summary(m.backend)}", err=True)
 
 
 @app.command("distill-data")
@@ -151,14 +131,14 @@ def distill_data(
     max_prompt_tokens: int = typer.Option(DistillConfig.max_prompt_tokens, "--max-prompt-tokens", help="Longer first prompts are skipped (counted)."),
     turns: int = typer.Option(DistillConfig.turns, "--turns", help="User turns asked per conversation: follow-ups come after the model's own answers."),
     max_length: int = typer.Option(DistillConfig.max_length, "--max-length", help="Prompt + answer tokens; a follow-up that would not fit is not asked."),
-    exclude: str = typer.Option("spec-bench,humaneval", "--exclude", help="Benchmark suites whose prompts no training prompt may match (exact or near duplicate); '' for none."),
+    exclude: str = typer.Option("auto", "--exclude", help="Benchmark suites whose prompts no training prompt may match (exact or near duplicate), comma-separated; auto: every suite found here (builtin always, spec-bench where $MEDUSA_SPEC_BENCH names its file, humaneval where installed); '' for none."),
     pack: Optional[Path] = typer.Option(None, "--pack", help="Write the --out folder's conversations as token ids to this file (.jsonl.gz, ~2 bytes a token, no features) and exit: small enough to commit."),
     unpack: Optional[Path] = typer.Option(None, "--unpack", help="Rebuild the --out folder from a --pack file (features by one forward a conversation, ~0.1 s each; resumable); with --limit, go on distilling up to it."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Self-distillation data: the base model's own answers to ShareGPT's user turns, with its features."""
-    from .bench.prompts import load_suite
+    from .bench.prompts import has_suite, load_suite
     from .data import Contamination, distill
     from .data import pack as pack_folder
     from .data import unpack as unpack_file
@@ -175,8 +155,13 @@ def distill_data(
             return
     cfg = DistillConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
                         max_prompt_tokens=max_prompt_tokens, turns=turns, max_length=max_length)
-    texts = {f"{suite}:{p.id}:{i}": t for suite in filter(None, exclude.split(",")) for p in load_suite(suite.strip())
-             for i, t in enumerate(p.turns)}
+    suites = [name.strip() for name in exclude.split(",") if name.strip()]
+    if exclude == "auto":
+        suites = [name for name in ("builtin", "spec-bench", "humaneval") if has_suite(name)]
+        missing = [name for name in ("spec-bench", "humaneval") if name not in suites]
+        typer.echo(f"contamination check against: {', '.join(suites)}"
+                   + (f" (not found here: {', '.join(missing)})" if missing else ""), err=True)
+    texts = {f"{suite}:{p.id}:{i}": t for suite in suites for p in load_suite(suite) for i, t in enumerate(p.turns)}
     index = Contamination(texts) if texts else None
     counts = distill(model, out, source=data, limit=limit, cfg=cfg, exclude=index, dtype=dtype, device=device)
     typer.echo("; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), err=True)
@@ -191,7 +176,8 @@ def datastore(
     """A datastore for the n-gram branch: the answers of self-distilled data, searched by the context's longest suffix where the context itself has no match (generate/serve/bench --datastore FILE)."""
     import time
 
-    from .datastore import Datastore, answers_of
+    from .data import answers_of
+    from .datastore import Datastore
 
     if split not in ("train", "eval", "all"):
         fail(f"--split must be train, eval or all, got {split!r}")
@@ -232,8 +218,8 @@ def serve(
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
-    m = load_model(model, heads, tree, dtype, device, no_medusa, ngram, tree_budget, compile=compile, exact=exact,
-                   calibration=calibration, datastore=datastore)
+    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
+    m = load_model(model, spec, dtype, device)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
@@ -263,8 +249,11 @@ def calibrate(
         fail("--limit and --max-new-tokens must be >= 1")
     if ngram < 0:
         fail(f"--ngram must be >= 0, got {ngram}")
-    m = MedusaModel.from_pretrained(model, heads=heads, dtype=dtype, device=device,
-                                    ngram=NgramConfig(length=ngram) if ngram else None)
+    from .spec import DecodeSpec
+
+    # the drafter as the checkpoint holds it, eager: what is measured here must not be fitted already
+    m = MedusaModel.from_pretrained(model, DecodeSpec(drafter=str(heads), ngram=ngram, compile=CompileMode.OFF, exact=False,
+                                                      calibration=CalibrationMode.SHIPPED), dtype=dtype, device=device)
     texts = cal.calibration_prompts(prompts, limit)
     if m.drafter.kind != "medusa":
         _calibrate_drafter(m, texts, max_new_tokens, heads, out, grid)
@@ -429,7 +418,7 @@ def bench(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
-    suite: Optional[str] = typer.Option(None, "--suite", help="spec-bench (default; $MEDUSA_SPEC_BENCH or ../shared/data/spec_bench/question.jsonl), humaneval or sharegpt."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="builtin (the default: 3 prompts for each of Spec-Bench's 13 categories, shipped with the package), spec-bench (the file $MEDUSA_SPEC_BENCH names), humaneval or sharegpt (held-out first turns)."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     copy_run: int = typer.Option(NgramConfig.copy_run, "--ngram-copy-run", help="Chain tokens accepted in a step after which the n-gram chain is verified alone (copy steps); 0: never, the chain beside every tree."),

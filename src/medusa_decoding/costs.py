@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from .attention import fits_short_query_attention
+from .kernels.attention import fits_short_query_attention
 from .config import CompileMode
-from .models import cache_dir, processor_info, use_fast_attention
+from .models import use_fast_attention
+from .platform import cache_dir, processor_info
 from .tree import build_tree
-from .verifiers import blocks
+from .kernels import blocks
 from .verifiers.transformers import EagerBackend, TransformersVerifier
 
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration chooses among

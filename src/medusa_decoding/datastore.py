@@ -16,7 +16,6 @@ frequent next token, its range, the most frequent token after it, and so on.
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -142,42 +141,3 @@ class Datastore:
         if stored.dtype == np.uint16:
             tokens[stored == np.iinfo(np.uint16).max] = SEPARATOR
         return cls(tokens)
-
-
-def answers_of(source: str | Path, split: str = "train") -> Iterable[list[int]]:
-    """The assistant answers of a distillation folder (`medusa distill-data`) or of its packed token
-    ids (`--pack`), each with the LEAD tokens before it; `split` only ("train": what a drafter
-    trains on, so held-out conversations stay held out)."""
-    from safetensors import safe_open
-
-    from .data import FEATURES_DIR, _decode_ids
-
-    source = Path(source).expanduser()
-    if source.is_dir():
-        shards = sorted((source / FEATURES_DIR).glob(f"{split}-*.safetensors"))
-        if not shards:
-            raise MedusaError(f"{source} holds no {split} shards ({FEATURES_DIR}/{split}-*.safetensors): "
-                              "pass a medusa distill-data folder or its --pack file")
-        for shard in shards:
-            with safe_open(shard, "np") as data:
-                ids, mask, offsets = data.get_tensor("ids"), data.get_tensor("mask"), data.get_tensor("offsets")
-            for a, b in zip(offsets[:-1], offsets[1:]):
-                spans = np.flatnonzero(np.diff(np.concatenate([[0], mask[a:b].astype(np.int8), [0]])))
-                for start, end in zip(spans[::2], spans[1::2]):
-                    yield ids[a + max(0, start - LEAD): a + end].tolist()
-        return
-    if not source.is_file():
-        raise MedusaError(f"no distillation folder or packed file at {source}")
-    try:
-        with gzip.open(source, "rt", encoding="utf-8") as f:
-            f.readline()  # the header
-            for line in f:
-                if not line.strip():
-                    continue
-                c = json.loads(line)
-                if c.get("split") == split:
-                    ids = _decode_ids(c["ids"])
-                    for start, end in c["mask"]:
-                        yield ids[max(0, start - LEAD): end]
-    except (OSError, ValueError, KeyError) as e:
-        raise MedusaError(f"{source} is not a packed distillation file ({e})") from None

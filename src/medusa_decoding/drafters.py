@@ -34,8 +34,8 @@ from torch import nn
 
 from .config import DEFAULT_MODEL, DrafterKind, JsonConfig, MedusaError
 from .heads import check_fits
-from .verifiers.blocks import Blocks, block_linear, blocks_or_none
-from .verifiers.packed import packed_linear, packed_or_none
+from .kernels.blocks import Blocks, block_linear, blocks_or_none
+from .kernels.packed import packed_linear, packed_or_none
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -148,8 +148,8 @@ class Shortlist:
         self.blocks: Blocks | None = None  # the weight on its GGUF blocks (pack), or None
 
     def pack(self) -> bool:
-        """Project on the weight prepacked for oneDNN (bf16/fp16 on CPU, verifiers/packed.py) or on
-        its GGUF blocks (fp32 on CPU, verifiers/blocks.py), where that is exact here -> either."""
+        """Project on the weight prepacked for oneDNN (bf16/fp16 on CPU, kernels/packed.py) or on
+        its GGUF blocks (fp32 on CPU, kernels/blocks.py), where that is exact here -> either."""
         self.packed = packed_or_none(self.weight)
         self.blocks = blocks_or_none(self.weight) if self.packed is None else None
         return self.packed is not None or self.blocks is not None

@@ -1,6 +1,6 @@
 """The decode loop and `MedusaModel`, the Python API in the style of transformers.
 
-    model = MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped")
+    model = MedusaModel.from_pretrained("smollm2-135m-instruct")  # what `medusa generate` runs
     out = model.generate("Write a haiku about the sea.", max_new_tokens=64)
     print(out.text, out.stats.mean_accepted_length)
     for delta in model.stream("Tell me a joke."):
@@ -20,27 +20,29 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from . import proposers
 from .acceptance import accept
-from .config import DEFAULT_MODEL, CompileMode, DrafterKind, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from .datastore import Datastore
 from .models import load_base
 from .proposers import Drafter, Proposer
 from .proposers.ngram import NgramBranch
+from .spec import DecodeSpec
 from .text import TextDecoder
 from .tree import TreeBuffers, build_tree
 from .verifiers import Verifier
 from .verifiers.compiled import CompiledBackend, compiles_by_default
 from .verifiers.transformers import EagerBackend, TransformersVerifier
+
+log = logging.getLogger(__name__)
 
 ROOT_ONLY = build_tree([])
 
@@ -556,21 +558,6 @@ class Decoder:
         return None
 
 
-def shipped_heads(alias: str, kind: str | None = None) -> Path | None:
-    """The drafter shipped inside the package for a built-in model, if any: Medusa heads in
-    weights/<alias>/, other kinds in weights/<alias>/<kind>/. kind None: the default one
-    (weights/<alias>/default.txt names it; Medusa heads without it)."""
-    from .models import BUILTIN_MODELS
-
-    if alias not in BUILTIN_MODELS:
-        return None
-    root = Path(str(resources.files("medusa_decoding") / "weights" / alias))
-    if kind is None:
-        kind = (root / "default.txt").read_text().strip() if (root / "default.txt").is_file() else DrafterKind.MEDUSA.value
-    path = root if kind == DrafterKind.MEDUSA.value else root / kind
-    return path if (path / "config.json").is_file() else None
-
-
 @dataclass
 class GenerationOutput:
     text: str
@@ -642,6 +629,7 @@ class MedusaModel:
         self.ngram = NgramConfig() if ngram is True else (ngram or None)
         self.ngram_asked = self.ngram  # the chain asked for; a fit to the machine may run without it (costs.py)
         self.datastore = datastore
+        self.spec: DecodeSpec | None = None  # the spec from_spec assembled it from (None: built by hand)
         gen = getattr(base, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else base.config.get_text_config().eos_token_id
@@ -709,49 +697,65 @@ class MedusaModel:
         return next(self.base.parameters()).device
 
     @classmethod
-    def from_pretrained(
-        cls,
-        base: str = DEFAULT_MODEL,
-        heads: str | Path | None = None,
-        tree: str | Path | Sequence[Sequence[int]] | None = None,
-        tree_budget: int | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        attn_implementation: str = "auto",
-        ngram: NgramConfig | bool | None = None,
-        compile: bool | CompileMode | str = False,
-        datastore: str | Path | Datastore | None = None,
-    ) -> MedusaModel:
-        """Load a base model (built-in alias, HF folder or .gguf) and a drafter.
+    def from_pretrained(cls, model: str = DEFAULT_MODEL, spec: DecodeSpec | None = None, *, dtype: str = "auto",
+                        device: str = "auto", attn_implementation: str = "auto", progress: bool = True,
+                        report: Callable[[str], None] | None = None, **options) -> MedusaModel:
+        """Load a base model (built-in alias, HF folder or .gguf) and decode as `spec` says.
 
-        heads: None for plain decoding, a checkpoint folder (its config.json's `drafter` names
-        the kind; Medusa heads when absent), drafter weights, or "shipped" for the drafter the
-        package ships for a built-in model. tree (Medusa heads): paths or a JSON file; by default
-        the heads' calibrated tree.json when present, else the built-in default tree; "dynamic"
-        re-selects the tree_budget most probable nodes every step. A hydra/eagle drafter drafts
-        its own tree every step (tree_budget nodes; default: the checkpoint's). ngram: True (or
-        an NgramConfig) adds a prompt-lookup branch to every tree. compile: torch.compile the
-        verification step: "on" (True; static shapes, compiled on first use or by `warmup`), "auto"
-        (saved graphs where this machine has them, built in the background otherwise; float32
-        only) or "off" (False). datastore (with an n-gram branch): where its chain comes from when
-        the context has no match: a file (`medusa datastore`), a Datastore, or None (the context only).
-        """
-        compile = CompileMode.parse(compile)
-        if compile is CompileMode.ON and attn_implementation == "exact":
-            raise MedusaError("exact mode runs eager: pass exact or compile, not both")
+        With no spec and no options this is what `medusa generate` runs: the drafter shipped for a
+        built-in model with the n-gram branch, its budget fitted to this machine, compile mode auto.
+        options: DecodeSpec fields that change the spec (drafter, tree, tree_budget, ngram,
+        datastore, compile, exact, calibration); `heads` is another name for `drafter` (None: no
+        drafter). attn_implementation: a transformers name, "auto" (the short-query kernel where the
+        model fits it) or "exact" (exact mode). progress: bars on stderr while this machine is measured;
+        report: where the lines saying what the fits chose go (default: this module's logger)."""
+        if "heads" in options:
+            options["drafter"] = options.pop("heads")
+        spec = (spec or DecodeSpec()).with_options(**options)
         if attn_implementation == "exact":
-            compile = CompileMode.OFF
-        model, tokenizer, _ = load_base(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        if isinstance(heads, str) and heads == "shipped":
-            heads = shipped_heads(base)
-            if heads is None:
-                raise MedusaError(f"no heads are shipped for {base!r}; pass a heads folder or heads=None")
-        if isinstance(heads, (str, Path)):
-            heads = proposers.load(heads, model)
-        if isinstance(datastore, (str, Path)) and ngram:  # read only where a chain will look in it
-            datastore = Datastore.load(datastore)
-        return cls(model, tokenizer, heads=heads, tree=tree, name=base, ngram=ngram, tree_budget=tree_budget,
-                   compile=compile, datastore=datastore if isinstance(datastore, Datastore) else None)
+            spec = spec.with_options(exact=True)
+        if spec.exact and spec.compile is CompileMode.AUTO:
+            spec = spec.with_options(compile=CompileMode.OFF)  # exact mode's kernels are eager ones
+        base, tokenizer, _ = load_base(model, dtype=dtype, device=device,
+                                       attn_implementation="exact" if spec.exact else attn_implementation)
+        return cls.from_spec(base, tokenizer, spec, name=model, progress=progress, report=report)
+
+    @classmethod
+    def from_spec(cls, base, tokenizer, spec: DecodeSpec, name: str = "", backend: EagerBackend | None = None,
+                  compiled: EagerBackend | None = None, progress: bool = True,
+                  report: Callable[[str], None] | None = None) -> MedusaModel:
+        """Assemble `spec` on a loaded base: the one place a method is put together. Its drafter, tree,
+        n-gram branch and datastore; its budget fitted to this machine where the spec asks (and exact
+        mode chosen where `spec.exact` is None; the lines saying what was chosen are logged); then the
+        backend it runs on. backend: share one (a bench's methods share the base's); compiled: the
+        compiled backend whose costs a shared eager backend's budget is fitted to (a bench's @compiled)."""
+        report = report or (lambda line: log.info("%s", line))
+        folder = spec.drafter_folder(name)
+        if spec.drafter is not None and folder is None and name == DEFAULT_MODEL:
+            report(f"note: no drafter is shipped for {name}: " + ("the n-gram branch alone" if spec.ngram else "plain decoding"))
+        heads = proposers.load(folder, base) if folder is not None else None
+        store = Datastore.load(spec.datastore) if spec.datastore is not None else None
+        auto = None  # compile mode auto: its saved graphs are loaded once the fits have chosen exact mode
+        if backend is None:
+            backend = make_backend(base, CompileMode.OFF if spec.compile is CompileMode.AUTO else spec.compile)
+            if spec.compile is CompileMode.AUTO and not spec.exact and compiles_by_default(base):
+                compiled = auto = make_backend(base, CompileMode.AUTO)
+        model = cls(base, tokenizer, heads=heads, tree=spec.tree, name=name, ngram=spec.ngram,
+                    tree_budget=spec.tree_budget, backend=backend, datastore=store)
+        model.spec = spec
+        fit = model.drafter is not None and spec.fits_budget
+        refresh = spec.calibration is CalibrationMode.REFRESH
+        lines: list[str] = []
+        if spec.exact is None and spec.calibration is not CalibrationMode.SHIPPED:  # exact where (nearly) free here
+            lines = model.fit_exactness(fit, refresh=refresh, progress=progress, use_medusa=spec.speculative,
+                                        compiled=compiled).lines
+        elif fit:
+            lines = [model.fit_to_machine(refresh=refresh, progress=progress, compiled=compiled).line]
+        for line in lines:
+            report(line)
+        if auto is not None and compiles_by_default(base):
+            model.backend = auto  # exact mode, once chosen, stays eager
+        return model
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> torch.Tensor:
         """A prompt (text, or chat messages) -> input_ids [1, T] on the model's device."""

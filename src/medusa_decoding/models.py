@@ -11,14 +11,16 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-from .attention import fits_short_query_attention, register_attention
-from .config import DEFAULT_MODEL, MedusaError
+from .config import DEFAULT_MODEL, DrafterKind, MedusaError
+from .kernels.attention import fits_short_query_attention, register_attention
+from .kernels.blocks import on_blocks
+from .platform import cache_dir, native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,6 @@ BUILTIN_MODELS = {
 }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa-decoding"))
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,38 +49,6 @@ def resolve_device(device: str) -> torch.device:
             raise MedusaError(f"device {device!r} asked for, but torch sees no CUDA device; use --device cpu")
         return torch.device(device)
     raise MedusaError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")  # what changes the CPU kernels
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # bf16 dot products in hardware
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    """-> (CPU model name, the ISA_FLAGS it has), from /proc/cpuinfo where there is one."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    name, flags = platform.machine(), set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name == platform.machine():
-            name = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return name, [f for f in ISA_FLAGS if f in flags]
-
-
-def processor_info(device: torch.device) -> tuple[str, list[str]]:
-    """-> (the processor a model runs on, its ISA_FLAGS): the GPU's name (no flags) or cpu_info()."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device), []
-    return cpu_info()
-
-
-def native_bf16() -> bool:
-    """Whether this CPU has bf16 dot products in hardware (AVX-512 BF16 or AMX)."""
-    return any(f in cpu_info()[1] for f in NATIVE_BF16)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -117,13 +83,6 @@ def tries_blocks(dtype: str, device: torch.device, folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (config.get("dtype") or config.get("torch_dtype")) == "float32"
-
-
-def on_blocks(model) -> bool:
-    """Would this model's fp32 linears run on the GGUF's blocks here (verifiers/blocks.py)?"""
-    from .verifiers import blocks
-
-    return blocks.recoverable(model) and blocks.kernel() is not None
 
 
 def builtin_gguf(alias: str) -> Path:
@@ -237,3 +196,16 @@ def use_fast_attention(model, exact: bool = False) -> str:
         raise MedusaError(f"exact mode needs full attention in every layer and no logit soft-capping; "
                           f"{model.config.model_type} has not")
     return model.config._attn_implementation
+
+
+def shipped_drafter(alias: str, kind: str | None = None) -> Path | None:
+    """The drafter shipped inside the package for a built-in model, if any: Medusa heads in
+    weights/<alias>/, other kinds in weights/<alias>/<kind>/. kind None: the default one
+    (weights/<alias>/default.txt names it; Medusa heads without it)."""
+    if alias not in BUILTIN_MODELS:
+        return None
+    root = Path(str(resources.files("medusa_decoding") / "weights" / alias))
+    if kind is None:
+        kind = (root / "default.txt").read_text().strip() if (root / "default.txt").is_file() else DrafterKind.MEDUSA.value
+    path = root if kind == DrafterKind.MEDUSA.value else root / kind
+    return path if (path / "config.json").is_file() else None

@@ -447,7 +447,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     from tqdm import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from .models import load_base, native_bf16, resolve_device
+    from .models import load_base, resolve_device
+    from .platform import native_bf16
 
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
@@ -682,9 +683,9 @@ def evaluate_checkpoint(heads: str | Path, data: str | Path, limit: int | None =
 
 def shipped_checkpoint(model: str, kind: str | None = None, what: str = "") -> Path:
     """The folder of the drafter shipped for a built-in `model` (kind None: its default one)."""
-    from .engine import shipped_heads
+    from .models import shipped_drafter
 
-    path = shipped_heads(model, kind)
+    path = shipped_drafter(model, kind)
     if path is None:
         raise MedusaError(f"no {kind + ' ' if kind else ''}drafter is shipped for {what or model}")
     return path

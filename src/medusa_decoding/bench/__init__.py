@@ -26,9 +26,11 @@ from pathlib import Path
 from ..config import MedusaError
 
 from .batch import BatchRun, batch_inputs, run_batch_bench, run_batched, summarize_batch, parse_batch_sizes
-from .config import BASELINE, DEFAULT_METHODS, EXACT, METHOD_KINDS, NGRAM, PLD_TOKENS, REFERENCE, SUITES, WARMUP_TOKENS, BenchConfig
-from .methods import Generate, Record, build_methods, run_method
-from .prompts import Prompt, load_jsonl_prompts, load_suite, select
+from ..spec import EXACT
+from .config import BASELINE, DEFAULT_METHODS, PLD_TOKENS, REFERENCE, WARMUP_TOKENS, BenchConfig
+from .methods import build_methods, run_method
+from .records import Generate, Record
+from .prompts import BUILTIN, SUITES, Prompt, load_jsonl_prompts, load_suite, select
 from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, fitted_line, identity_line, machine_info,
                      method_row, text_table, write_plots, write_report)
 from .summary import first_difference, fitted_vs_shipped, identity_check, per_prompt_speedups, summarize
@@ -44,7 +46,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.prompts:
         prompts = load_jsonl_prompts(Path(cfg.prompts))
     else:
-        prompts = load_suite(cfg.suite or "spec-bench", cfg.limit)
+        prompts = load_suite(cfg.suite or BUILTIN, cfg.limit)
     prompts = select(prompts, cfg.limit, cfg.turns)
     if not prompts:
         raise MedusaError("no prompt to run")

@@ -13,7 +13,7 @@ import torch
 
 from ..config import GenerationConfig, MedusaError, SamplingConfig
 from .config import WARMUP_TOKENS, BenchConfig
-from .methods import _sync
+from .records import sync
 from .prompts import Prompt
 from .summary import _token_at, first_difference
 
@@ -90,7 +90,7 @@ def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int,
                 latency[out.id] = now - started[out.id]
                 lengths.extend(out.stats.accepted_lengths)
 
-    _sync(model.device)
+    sync(model.device)
     t0 = time.perf_counter()
     while pending or len(decoder):
         while pending and decoder.has_room:
@@ -98,7 +98,7 @@ def run_batched(model, method: str, inputs: list[torch.Tensor], batch_size: int,
             tokens[i], started[i] = [], time.perf_counter()
             collect([decoder.add(Request(ids, generation, greedy, id=i))])
         collect(decoder.step())
-    _sync(model.device)
+    sync(model.device)
     wall = time.perf_counter() - t0
     order = range(len(inputs))
     return BatchRun(method, batch_size, repeat, wall, [tokens[i] for i in order], [latency[i] for i in order], lengths)

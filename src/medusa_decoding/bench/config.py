@@ -6,40 +6,18 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import DEFAULT_MODEL, CalibrationMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from ..config import DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from ..spec import ENGINE_KINDS, EXACT, FOREIGN_KINDS, SHIPPED, DecodeSpec, Method, parse_method
+from .prompts import SUITES
 
 log = logging.getLogger("medusa_decoding.bench")
 
 
-SUITES = ("spec-bench", "humaneval", "sharegpt")
-# default: what `medusa generate` runs with no method options (the shipped drafter, or --heads, with
-# the n-gram branch), whatever drafter that is
-METHOD_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle", "hf", "hf-pld", "llama.cpp")
-NGRAM = "+ngram"  # suffix: the same method with an n-gram branch (plain+ngram: prompt lookup in our engine)
-EXACT = "@exact"  # suffix of our engine's methods: in exact mode (attention.exact_attention), checked against plain@exact
-# suffix of our engine's methods: on the compiled step (saved graphs, what `generate` loads by default;
-# built or loaded before a shape is timed), interleaved with the eager ones
-COMPILED = "@compiled"
-# suffix of our engine's methods: eager on the model's stock linear layers (no prepacked weights,
-# verifiers/packed.py), interleaved with the default packed ones
-STOCK = "@stock"
-# suffix of default/hydra/eagle: the checkpoint's own budget, not the one fitted to this machine (costs.py)
-SHIPPED = "@shipped"
-FITTED_KINDS = ("default", "hydra", "eagle")
 DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 LLAMACPP = "llama.cpp"  # plain greedy decoding of the same GGUF by llama.cpp: speed-ups against it too, when run
-FOREIGN = ("hf", "hf-pld", LLAMACPP)  # methods that are not our engine
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
-
-
-def split_mode(kind: str) -> tuple[str, str]:
-    """A method kind -> (the kind, its run-mode suffix @exact/@compiled/@stock or '')."""
-    for mode in (EXACT, COMPILED, STOCK):
-        if kind.endswith(mode):
-            return kind.removesuffix(mode), mode
-    return kind, ""
 
 
 @dataclass
@@ -49,7 +27,7 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     heads: str | None = None  # heads folder; None: the heads shipped for a built-in model, if any
     prompts: str | None = None  # a Spec-Bench-shaped JSONL file ...
-    suite: str | None = None  # ... or a suite; neither: spec-bench
+    suite: str | None = None  # ... or a suite (prompts.SUITES); neither: the built-in one
     methods: str | None = None  # comma-separated; None: DEFAULT_METHODS, medusa dropped if no heads
     trees: list[str] = field(default_factory=list)  # one medusa method per tree file
     # hydra/eagle checkpoints for methods hydra and eagle; a kind not given: the shipped one
@@ -87,21 +65,13 @@ class BenchConfig:
                 raise MedusaError(f"{name} must be >= 1, got {value}")
         GenerationConfig(max_new_tokens=self.max_new_tokens)
         SamplingConfig(temperature=self.temperature)
-        for kind in self.method_kinds:
-            core, mode = split_mode(kind)
-            if mode == EXACT and (core in FOREIGN or self.compile):
-                raise MedusaError(f"{kind}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
-            if mode in (COMPILED, STOCK) and (core in FOREIGN or self.compile):
-                raise MedusaError(f"{kind}: {mode} is for our engine's methods run eager beside it (no --compile)")
-            if kind == LLAMACPP and self.temperature > 0:
+        for method in self.methods_asked:
+            if method.mode == EXACT and self.compile:
+                raise MedusaError(f"{method.name}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
+            if method.mode and self.compile:
+                raise MedusaError(f"{method.name}: {method.mode} is for our engine's methods run eager beside it (no --compile)")
+            if method.kind == LLAMACPP and self.temperature > 0:
                 raise MedusaError(f"method {LLAMACPP} is plain greedy decoding: run it at temperature 0")
-            if core.endswith(SHIPPED) and core.removesuffix(SHIPPED).partition("+")[0] not in FITTED_KINDS:
-                raise MedusaError(f"{kind}: {SHIPPED} is for {', '.join(FITTED_KINDS)} (a drafter with a budget)")
-            base, plus, suffix = core.removesuffix(SHIPPED).partition("+")
-            if base not in METHOD_KINDS or (plus and (f"+{suffix}" != NGRAM or base in FOREIGN or base == "default")):
-                raise MedusaError(f"unknown method {kind!r}; use a comma-separated list of {', '.join(METHOD_KINDS)}, "
-                                  f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {SHIPPED}; "
-                                  f"any but hf*/{LLAMACPP} with {EXACT}, {COMPILED} or {STOCK}")
         self.calibration = CalibrationMode.parse(self.calibration).value
         if self.datastore is not None and not Path(self.datastore).expanduser().is_file():
             raise MedusaError(f"--datastore {self.datastore}: no such file (medusa datastore writes one)")
@@ -121,12 +91,25 @@ class BenchConfig:
 
     @property
     def head_kinds(self) -> set[str]:
-        """The method kinds without their +ngram suffix."""
-        return {split_mode(k)[0].removesuffix(SHIPPED).partition("+")[0] for k in self.method_kinds}
+        """The kinds of the methods asked (plain, default, medusa, ..., hf, llama.cpp)."""
+        return {m.kind for m in self.methods_asked}
 
     @property
     def method_kinds(self) -> list[str]:
+        """The method names asked, in order, each once."""
         kinds = [m.strip() for m in (self.methods or DEFAULT_METHODS).split(",") if m.strip()]
         if not kinds:
-            raise MedusaError(f"no method given; use a comma-separated list of {', '.join(METHOD_KINDS)}")
+            raise MedusaError(f"no method given; use a comma-separated list of {', '.join(ENGINE_KINDS + FOREIGN_KINDS)}")
         return list(dict.fromkeys(kinds))
+
+    @property
+    def methods_asked(self) -> list[Method]:
+        return [parse_method(k) for k in self.method_kinds]
+
+    def spec(self) -> DecodeSpec:
+        """The options every method of our engine shares (spec.Method.spec makes each one's from it):
+        --heads (else the shipped drafter), the n-gram branch, --tree-budget, --datastore,
+        --calibration; eager unless --compile; the fast mode (@exact runs exact mode)."""
+        return DecodeSpec(drafter=self.heads or SHIPPED, tree_budget=self.tree_budget, ngram=self.ngram(),
+                          datastore=self.datastore, compile=CompileMode.ON if self.compile else CompileMode.OFF,
+                          exact=False, calibration=self.calibration)

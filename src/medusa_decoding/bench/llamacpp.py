@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from ..config import MedusaError
-from ..models import BUILTIN_MODELS, builtin_gguf, cpu_info
-from .methods import Generate, Turn
+from ..models import BUILTIN_MODELS, builtin_gguf
+from ..platform import cpu_info
+from .records import Generate, Turn
 
 log = logging.getLogger("medusa_decoding.bench")
 

@@ -6,58 +6,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import proposers
-from ..attention import register_attention
-from ..config import CalibrationMode, DrafterKind, MedusaError
-from .config import COMPILED, EXACT, FITTED_KINDS, LLAMACPP, NGRAM, PLD_TOKENS, SHIPPED, STOCK, BenchConfig, split_mode
+from ..config import DrafterKind, MedusaError
+from ..kernels.attention import register_attention
+from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, DecodeSpec, parse_method
+from .config import LLAMACPP, PLD_TOKENS, BenchConfig
 from .prompts import Prompt
+from .records import Generate, Record, Turn, sync
 
 log = logging.getLogger("medusa_decoding.bench")
-
-
-# 2. methods ------------------------------------------------------------------------------------
-
-@dataclass
-class Turn:
-    token_ids: list[int]  # new tokens, up to and including the first EOS
-    text: str
-    wall_s: float
-    accepted_lengths: list[int] | None = None  # our engine only: tokens per step, bonus included
-    accepted_per_depth: list[int] | None = None
-
-
-@dataclass
-class Record:
-    """One method on one prompt (all its turns) in one repeat round."""
-
-    prompt: str
-    category: str
-    method: str
-    repeat: int
-    new_tokens: int
-    wall_s: float
-    token_ids: list[list[int]] = field(default_factory=list)  # per turn
-    accepted_lengths: list[int] | None = None
-    accepted_per_depth: list[int] | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-# (input_ids [1, T], max_new_tokens, seed) -> Turn
-Generate = Callable[[torch.Tensor, int, int], Turn]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
@@ -66,10 +28,10 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
     def generate(input_ids, max_new_tokens, seed):
         sampling = dict(temperature=temperature, seed=seed) if temperature > 0 else {}
         compiling = model.backend.compile_s
-        _sync(model.device)
+        sync(model.device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, use_medusa=use_medusa, **sampling)
-        _sync(model.device)
+        sync(model.device)
         wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
     generate.model = model
@@ -125,11 +87,11 @@ def hf_method(model, temperature: float, prompt_lookup: int | None) -> Generate:
         if prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup
         with attention(model, "sdpa"):  # transformers as a user runs it
-            _sync(model.device)
+            sync(model.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = model.base.generate(input_ids, **kwargs)
-            _sync(model.device)
+            sync(model.device)
         wall = time.perf_counter() - t0
         new = out[0, input_ids.shape[1]:].tolist()
         end = next((i + 1 for i, t in enumerate(new) if t in model.eos_token_ids), len(new))
@@ -160,132 +122,90 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
     return record
 
 
-def drafter_folder(cfg: BenchConfig, kind: str) -> Path:
-    """The checkpoint of method `kind` (hydra/eagle): the --drafter folder of that kind, else the
-    one shipped for the built-in model."""
-    from ..engine import shipped_heads
-
+def drafter_folders(cfg: BenchConfig) -> dict[str, str]:
+    """The --drafter checkpoints by kind (hydra/eagle); a kind not given decodes with the shipped one."""
+    folders: dict[str, str] = {}
     for folder in cfg.drafters:
         path = Path(folder).expanduser()
         if not (path / proposers.CONFIG_NAME).is_file():
             raise MedusaError(f"--drafter {folder}: no checkpoint there (config.json naming its drafter)")
-        if proposers.checkpoint_kind(path) == kind:
-            return path
-    shipped = shipped_heads(cfg.model, kind)
-    if shipped is None:
-        raise MedusaError(f"method {kind} needs --drafter DIR holding a {kind} checkpoint: none is shipped for {cfg.model!r}")
-    return shipped
-
-
-def default_heads(cfg: BenchConfig):
-    """What `medusa generate` reads with no --heads (or --heads itself): a folder or None."""
-    from ..engine import shipped_heads
-
-    return cfg.heads if cfg.heads is not None else shipped_heads(cfg.model)
+        folders.setdefault(proposers.checkpoint_kind(path), str(path))
+    return folders
 
 
 def build_methods(cfg: BenchConfig):
     """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
-    MedusaModel or None). Every variant shares the base and its backend (compiled graphs too)."""
-    from ..datastore import Datastore
-    from ..engine import MedusaModel, shipped_heads
-    from ..models import BUILTIN_MODELS
-    from ..proposers.medusa import DYNAMIC
+    MedusaModel or None). Each method of our engine is its name's DecodeSpec (spec.parse_method),
+    assembled by the library on the shared base and backend (compiled graphs too)."""
+    from ..engine import MedusaModel
+    from ..models import shipped_drafter
     from ..tree import load_tree_file
 
-    kinds = [] if cfg.batch_only else cfg.method_kinds
+    asked = [] if cfg.batch_only else cfg.methods_asked
     for tree in cfg.trees:
         load_tree_file(tree)  # fail early, before the model loads
     stems = [Path(t).stem for t in cfg.trees]
     if len(set(stems)) < len(stems):
         raise MedusaError("two --tree files share a name; methods are named medusa:<file stem>")
-    heads = cfg.heads
-    with_heads = {"medusa", "dynamic"} & {k.partition("+")[0] for k in kinds}
-    if heads is None and with_heads and cfg.model in BUILTIN_MODELS:
-        heads = shipped_heads(cfg.model, DrafterKind.MEDUSA.value)
-    if with_heads and heads is None:
+    with_heads = {"medusa", "dynamic"} & {m.kind for m in asked}
+    if with_heads and cfg.heads is None and shipped_drafter(cfg.model, DrafterKind.MEDUSA.value) is None:
         if cfg.methods is not None:
             raise MedusaError(f"methods {', '.join(sorted(with_heads))} need --heads: none are shipped for {cfg.model!r}")
         log.warning("note: no heads given and none shipped for %s: medusa left out", cfg.model)
-        kinds = [k for k in kinds if k.partition("+")[0] not in with_heads]
+        asked = [m for m in asked if m.kind not in with_heads]
+    drafters = drafter_folders(cfg)
+    for m in asked:
+        if m.kind in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value) and m.kind not in drafters \
+                and shipped_drafter(cfg.model, m.kind) is None:
+            raise MedusaError(f"method {m.kind} needs --drafter DIR holding a {m.kind} checkpoint: "
+                              f"none is shipped for {cfg.model!r}")
     gguf = None
-    if LLAMACPP in kinds:  # refused before the model loads when it cannot run
+    if any(m.kind == LLAMACPP for m in asked):  # refused before the model loads when it cannot run
         from . import llamacpp
 
         gguf = llamacpp.gguf_file(cfg.model)
         llamacpp._import()
-    base = MedusaModel.from_pretrained(cfg.model, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
-    ngram = cfg.ngram()
-    store = Datastore.load(cfg.datastore) if cfg.datastore else None  # default's chain and +ngram methods'
-    loaded: dict[str, object] = {}
-
-    def weights(folder):
-        key = str(folder)
-        if key not in loaded:
-            loaded[key] = proposers.load(folder, base.base)
-        return loaded[key]
-
-    def variant(drafter=None, plus: bool = False, tree=None, fitted: bool = False, on=None) -> MedusaModel:
-        """plus: with the n-gram branch (and --datastore's file, when given); on: the compiled backend
-        whose costs the budget is fitted to (a method's @compiled mode)."""
-        model = MedusaModel(base.base, base.tokenizer, heads=drafter, tree=tree, name=base.name,
-                            ngram=ngram if plus else None, tree_budget=cfg.tree_budget, backend=base.backend,
-                            datastore=store if plus else None)
-        if fitted and model.drafter is not None and cfg.tree_budget is None and cfg.calibration != CalibrationMode.SHIPPED:
-            log.info("%s", model.fit_to_machine(refresh=cfg.calibration == CalibrationMode.REFRESH, compiled=on).line)
-        return model
-
-    fitted_default: dict[tuple, MedusaModel] = {}
-
-    def default_model(fitted: bool, on=None) -> MedusaModel:
-        if (fitted, on) not in fitted_default:
-            folder = default_heads(cfg)
-            fitted_default[fitted, on] = variant(weights(folder) if folder is not None else None, True, fitted=fitted, on=on)
-        return fitted_default[fitted, on]
-
-    def make(kind: str, on=None) -> dict[str, Generate]:
-        """The methods of one method kind (medusa: one per --tree); on: as variant's."""
-        fitted = not kind.endswith(SHIPPED)
-        name, plus, _ = kind.removesuffix(SHIPPED).partition("+")
-        if name == "plain" and not plus:
-            return {"plain": engine_method(base, False, cfg.temperature)}
-        if name == "plain":  # prompt lookup alone, in our engine
-            return {kind: engine_method(variant(plus=True), True, cfg.temperature)}
-        if name == "default":
-            return {kind: engine_method(default_model(fitted, on), True, cfg.temperature)}
-        if name == "dynamic":
-            return {kind: engine_method(variant(weights(heads), bool(plus), DYNAMIC), True, cfg.temperature)}
-        if name == "medusa" and not cfg.trees:
-            return {kind: engine_method(variant(weights(heads), bool(plus)), True, cfg.temperature)}
-        if name == "medusa":
-            return {f"medusa:{stem}{plus and NGRAM}": engine_method(variant(weights(heads), bool(plus), tree), True,
-                                                                     cfg.temperature)
-                    for tree, stem in zip(cfg.trees, stems)}
-        if name in (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value):
-            model = variant(weights(drafter_folder(cfg, name)), bool(plus), fitted=fitted, on=on)
-            return {kind: engine_method(model, True, cfg.temperature)}
-        if name == LLAMACPP:
-            return {kind: llamacpp.llamacpp_method(base, gguf)}
-        return {kind: hf_method(base, cfg.temperature, PLD_TOKENS if kind == "hf-pld" else None)}
-
-    default = default_model(True) if "default" in kinds or cfg.batch_sizes else None
-    made = {core: make(core) for core in dict.fromkeys(split_mode(k)[0] for k in kinds)}
-    compiled = None
-    if any(split_mode(k)[1] == COMPILED for k in kinds):  # saved graphs: what generate loads by default
+    shared = cfg.spec()
+    base = MedusaModel.from_pretrained(cfg.model, DecodeSpec.plain(compile=shared.compile, exact=False),
+                                       dtype=cfg.dtype, device=cfg.device)
+    compiled = stock = None
+    if any(m.mode == COMPILED for m in asked):  # saved graphs: what generate loads by default
         from ..verifiers.compiled import CompiledBackend
 
         compiled = CompiledBackend(base.base, freeze=False)
-    from ..verifiers.transformers import EagerBackend
+    if any(m.mode == STOCK for m in asked):
+        from ..verifiers.transformers import EagerBackend
 
-    stock = EagerBackend(base.base, packed=False) if any(split_mode(k)[1] == STOCK for k in kinds) else None
-    asked: dict[str, Generate] = {}  # in the order asked; a kind@exact/@compiled/@stock: each of its methods in that mode
-    for kind in kinds:
-        core, mode = split_mode(kind)
-        methods = made[core]
-        if mode == COMPILED and core.partition("+")[0] in FITTED_KINDS:  # fitted to the compiled step, as generate is
-            methods = make(core, compiled)
-        for m, method in methods.items():
-            asked[m + mode] = (exact_method(base, method) if mode == EXACT else
-                               backend_method(compiled, method) if mode == COMPILED else
-                               backend_method(stock, method) if mode == STOCK else method)
-    return base, asked, default
+        stock = EagerBackend(base.base, packed=False)
+    models: dict[tuple, MedusaModel] = {}
+
+    def model(spec: DecodeSpec, on=None) -> MedusaModel:
+        """The spec assembled on the shared base; on: the compiled backend its budget is fitted to."""
+        key = (repr(spec), id(on))
+        if key not in models:
+            models[key] = MedusaModel.from_spec(base.base, base.tokenizer, spec, name=cfg.model, backend=base.backend,
+                                                compiled=on)
+        return models[key]
+
+    methods: dict[str, Generate] = {}  # in the order asked
+    for m in asked:
+        if not m.engine:
+            methods[m.name] = (llamacpp.llamacpp_method(base, gguf) if m.kind == LLAMACPP else
+                               hf_method(base, cfg.temperature, PLD_TOKENS if m.kind == "hf-pld" else None))
+            continue
+        spec = m.spec(shared, drafters)
+        specs = {m.name: spec}
+        if m.kind == "medusa" and cfg.trees:  # one method per --tree file
+            specs = {f"medusa:{stem}{NGRAM if m.ngram else ''}{m.mode}": replace(spec, tree=tree)
+                     for tree, stem in zip(cfg.trees, stems)}
+        # fitted to the compiled step's costs where it runs compiled, as generate is
+        on = compiled if m.mode == COMPILED and m.kind in FITTED_KINDS else None
+        for name, s in specs.items():
+            generate = engine_method(model(s, on), True, cfg.temperature)
+            methods[name] = (exact_method(base, generate) if m.mode == EXACT else
+                             backend_method(compiled, generate) if m.mode == COMPILED else
+                             backend_method(stock, generate) if m.mode == STOCK else generate)
+    default = None
+    if cfg.batch_sizes or any(m.kind == "default" for m in asked):
+        default = model(parse_method("default").spec(shared, drafters))
+    return base, methods, default

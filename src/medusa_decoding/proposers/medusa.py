@@ -17,7 +17,7 @@ from ..config import DEFAULT_TREE, DYNAMIC_BUDGET, DYNAMIC_DEPTH, DYNAMIC_WIDTH,
 from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
-from ..verifiers.transformers import draft_linears, lean_linears
+from ..kernels import draft_linears, lean_linears
 from . import Drafter, DrafterSpec, Proposal, Proposer, register
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads (medusa calibrate)

@@ -14,7 +14,7 @@ import torch
 from .. import drafters
 from ..config import MedusaError
 from ..tree import tree_from_parents
-from ..verifiers.transformers import draft_linears
+from ..kernels import draft_linears
 from . import Drafter, Proposal, Proposer, read_acceptance
 
 
@@ -32,7 +32,7 @@ class PathDrafter(Drafter):
         self.embed = base_model.get_input_embeddings()
         self.short = module.shortlist(base_model)
         # what drafting runs: the weights, their linears prepacked (bf16/fp16) or on Q8_0 blocks (fp32),
-        # the shortlist on the LM head's (verifiers/packed.py, blocks.py); `weights` stays stock
+        # the shortlist on the LM head's (kernels/packed.py, blocks.py); `weights` stays stock
         self.net = draft_linears(self.weights)
         self.short.pack()
         self.width, self.depth = cfg.draft_width, cfg.draft_depth

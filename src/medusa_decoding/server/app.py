@@ -2,7 +2,7 @@
 (`stream: true` gives server-sent events ending with `data: [DONE]`), on top of the scheduler,
 and a page on `/` (page.html: chat, every token coloured by how it was produced).
 
-    app = create_app(MedusaModel.from_pretrained("smollm2-135m-instruct", heads="shipped"))
+    app = create_app(MedusaModel.from_pretrained("smollm2-135m-instruct"))  # what medusa serve runs
     serve(model, host="127.0.0.1", port=8000)        # or: medusa serve
 
 Every method `medusa generate` runs is served, the default included: each row has its own
@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..attention import EXACT_ATTENTION_NAME
+from ..kernels.attention import EXACT_ATTENTION_NAME
 from ..config import GenerationConfig, MedusaError, SamplingConfig
 from ..engine import GenerationStats, MedusaModel, Request
 from ..text import TextDecoder

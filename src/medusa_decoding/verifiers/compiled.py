@@ -10,7 +10,7 @@ shapes. The prefill stays eager. `warmup` compiles ahead of time.
 
 Two modes (config.CompileMode): `on` compiles (or loads) a shape the first time a step needs it,
 the run waiting; `auto` loads the shapes this machine has saved and runs the others eager, while a
-background process (`builder_main(FOLDER)`, nice 19, the same threads) builds them from the list the run leaves in FOLDER/wanted/ and the run picks each graph
+background process (`builder.builder_main(FOLDER)`, nice 19, the same threads) builds them from the list the run leaves in FOLDER/wanted/ and the run picks each graph
 up when its file appears: no run waits for a compiler, and the next one starts compiled.
 
 Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` never freezes):
@@ -48,11 +48,11 @@ from pathlib import Path
 
 import torch
 
-from ..attention import EXACT_ATTENTION_NAME, full_attention
+from ..kernels.attention import EXACT_ATTENTION_NAME, full_attention
 from ..cache import SlotCache
 from ..config import CompileMode, MedusaError
-from ..models import cache_dir, processor_info
-from . import blocks, packed
+from ..platform import cache_dir, processor_info
+from ..kernels import blocks, packed
 from .transformers import EagerBackend, forward
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,7 @@ def graph_key(model) -> dict:
 def linears(model) -> str:
     """The linear layers a compiled step of this model calls: "blocks-<kernel tag>" where an fp32 model
     on CPU runs on its GGUF blocks (blocks.py, the kernel as an operator in the graph), else "stock"."""
-    return f"blocks-{blocks.source_tag()}" if on_blocks(model) else "stock"
-
-
-def on_blocks(model) -> bool:
-    return next(model.parameters()).dtype == torch.float32 and blocks.recoverable(model)
+    return f"blocks-{blocks.source_tag()}" if blocks.on_blocks(model) else "stock"
 
 
 def compiles_by_default(model) -> bool:
@@ -202,7 +198,7 @@ class CompiledBackend(EagerBackend):
         mode: `on` (compile a missing shape, waiting) or `auto` (run it eager, a background
         process builds it)."""
         # its graphs hold the stock layers (freezing packs them itself), or in fp32 the GGUF's blocks
-        super().__init__(model, packed=on_blocks(model))
+        super().__init__(model, packed=blocks.on_blocks(model))
         if not self.slots:
             raise MedusaError("--compile needs a model with full attention in every layer (no sliding window)")
         self.mode = CompileMode.parse(mode)
@@ -339,7 +335,7 @@ class CompiledBackend(EagerBackend):
         (self.folder / SPEC).write_text(json.dumps(spec, indent=1) + "\n")
         env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"])}
         with (self.folder / BUILD_LOG).open("a") as out:
-            main = f"import sys; from {__name__} import builder_main; builder_main(sys.argv[1])"
+            main = "import sys; from medusa_decoding.builder import builder_main; builder_main(sys.argv[1])"
             self.builder = subprocess.Popen([sys.executable, "-c", main, str(self.folder)], stdin=subprocess.DEVNULL,
                                             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._looked = -RECHECK_S  # paused from the next step on
@@ -419,16 +415,6 @@ class CompiledBackend(EagerBackend):
                 "eager_steps": self.eager_steps, "missing": len(self.missing)}
 
 
-def load_draft_module(base, folder: str) -> torch.nn.Module:
-    """The drafting module of the drafter saved in `folder`, on `base` (the builder's)."""
-    from .. import proposers
-
-    module = proposers.wrap(proposers.load(folder, base), base).draft_module()
-    if module is None:
-        raise MedusaError(f"the drafter in {folder} has no compiled drafting")
-    return module
-
-
 class DraftGraphs:
     """One drafter's drafting as saved graphs, one per (width, depth, budget), built and loaded as
     the verify step's are (mode on: compiled when first needed, the run waiting; auto: built by the
@@ -464,81 +450,3 @@ class DraftGraphs:
             self.graphs[key] = graph
         self.runs += 1
         return graph(self.module, *inputs, *key)
-
-
-def build_wanted(folder: Path) -> int:
-    """The background builder: load the base as FOLDER/builder.json says, then build every shape
-    listed in FOLDER/wanted/ (oldest first) until none has come for the spec's idle_s -> graphs built.
-    One builder a folder (FOLDER/builder.pid)."""
-    from ..attention import register_attention
-    from ..models import load_base
-
-    spec = json.loads((folder / SPEC).read_text())
-    lock = folder / LOCK
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        if builder_alive(folder):
-            return 0
-        lock.unlink(missing_ok=True)
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    built = 0
-    try:
-        torch.set_num_threads(spec["threads"])
-        model, _, _ = load_base(spec["model"], dtype=spec["dtype"], device=spec["device"])
-        register_attention(exact=False), register_attention(exact=True)  # the package's kernels, by name
-        model.set_attn_implementation(spec["attention"])
-        if graph_folder(model, folder.parent) != folder:
-            log.error("%s loads as another model or machine than %s's key: nothing built", spec["model"], folder)
-            return 0
-        run = blocks.block_linears(model) if on_blocks(model) else model  # the layers CompiledBackend runs
-        drafts: dict[str, torch.nn.Module] = {}  # drafter folder -> its drafting module
-        idle_since = time.perf_counter()
-        with torch.inference_mode():
-            while True:
-                wanted = sorted((folder / WANTED).glob("*.json"), key=lambda p: p.stat().st_mtime)
-                todo = []
-                for w in wanted:
-                    if (folder / (w.stem + ".pt2")).exists():
-                        w.unlink(missing_ok=True)
-                    else:
-                        todo.append(w)
-                if not todo:
-                    if time.perf_counter() - idle_since >= spec.get("idle_s", BUILDER_IDLE_S):
-                        break
-                    time.sleep(0.5)
-                    continue
-                record = json.loads(todo[0].read_text())
-                t0 = time.perf_counter()
-                if "draft" in record:  # a drafter's drafting (DraftGraphs): the run drafts eager without it
-                    draft = record["draft"]
-                    try:
-                        if draft["folder"] not in drafts:
-                            drafts[draft["folder"]] = load_draft_module(run, draft["folder"])
-                        module = drafts[draft["folder"]]
-                        key = (draft["width"], draft["depth"], draft["budget"])
-                        build_graph((module, *module.dummy_inputs(), *key), folder / (todo[0].stem + ".pt2"), _draft)
-                    except Exception as e:  # noqa: BLE001 - the verify graphs still get built
-                        log.error("cannot build %s (%s: %s)", todo[0].stem, type(e).__name__, e)
-                        todo[0].unlink(missing_ok=True)
-                        continue
-                else:
-                    shape = record["shape"]
-                    shape = (*shape[:5], tuple(shape[5]) if shape[5] else None)
-                    build_graph(dummy_args(run, shape), folder / (todo[0].stem + ".pt2"))
-                todo[0].unlink(missing_ok=True)
-                built += 1
-                log.info("built %s (%.0f s)", todo[0].stem, time.perf_counter() - t0)
-                idle_since = time.perf_counter()
-    finally:
-        lock.unlink(missing_ok=True)
-    return built
-
-
-def builder_main(folder: str) -> None:
-    """The background builder's process: nice 19, logging to FOLDER/builder.log (its stdout)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    os.nice(19)
-    log.info("built %d graphs", build_wanted(Path(folder)))

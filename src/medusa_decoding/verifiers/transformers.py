@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import full_attention
+from ..kernels.attention import full_attention
 from ..cache import SlotCache, keep_path, new_cache
 from ..config import MedusaError
 from ..tree import TreeBuffers
 from . import Row, Verifier
-from .blocks import BlockKind, block_linears
-from .packed import pack_linears
+from ..kernels import lean_linears
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -48,23 +47,6 @@ def forward(model, input_ids, position_ids, mask, cache, last_only: bool = False
     if layers is None:
         return logits, out.last_hidden_state
     return logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-
-
-def lean_linears(model):
-    """The model with its linear layers on a leaner form of the same weights, where that is exact
-    here: prepacked for oneDNN in bf16/fp16 (packed.py), on the GGUF's own blocks in fp32
-    (blocks.py); else `model` itself."""
-    out = pack_linears(model)
-    return out if out is not model else block_linears(model)
-
-
-def draft_linears(drafter):
-    """A drafter's module on lean linears: as lean_linears, and in fp32 on CPU with its own weights
-    (not a GGUF's) quantized to Q8_0 blocks. A drafter's weights change what it proposes, never the
-    output, which the base verifies; in fp32 its layers read 4 bytes a weight a step (the shipped
-    hydra's three heads of a budget-4 tree: 32 MB, 5.6 of its 10 ms on the AVX2 EPYC), Q8_0 1.06."""
-    out = pack_linears(drafter)
-    return out if out is not drafter else block_linears(drafter, lossy=BlockKind.Q8_0)
 
 
 def check_layers(model, layers: tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -227,7 +227,7 @@ def build(target: str, op: bool = True):
     (a second build in one process, to compare the paths through its `blocks_linear`)."""
     from torch.utils import cpp_extension
 
-    from ..models import cache_dir
+    from ..platform import cache_dir
 
     tag = source_tag(target) + ("" if op else "-noop")
     folder = cache_dir() / "kernels" / f"blocks-{tag}"
@@ -424,6 +424,12 @@ def block_linears(model, lossy: BlockKind | None = None) -> nn.Module:
     return out
 
 
-if __name__ == "__main__":  # `python -m medusa_decoding.verifiers.blocks`: build the kernel ahead of time
+def on_blocks(model) -> bool:
+    """Do this model's linears run on its GGUF's blocks here: fp32, its weights recoverable as blocks,
+    and the kernel built for this CPU?"""
+    return next(model.parameters()).dtype == torch.float32 and recoverable(model) and kernel() is not None
+
+
+if __name__ == "__main__":  # `python -m medusa_decoding.kernels.blocks`: build the kernel ahead of time
     logging.basicConfig(level=logging.INFO)
     print("block-linear kernel:", "built" if kernel() is not None else "not available")

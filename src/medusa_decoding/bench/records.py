@@ -1,0 +1,46 @@
+"""What a bench run records: a method's answer to one turn (Turn), to one prompt (Record), and the
+signature every method has (Generate)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Turn:
+    token_ids: list[int]  # new tokens, up to and including the first EOS
+    text: str
+    wall_s: float
+    accepted_lengths: list[int] | None = None  # our engine only: tokens per step, bonus included
+    accepted_per_depth: list[int] | None = None
+
+
+@dataclass
+class Record:
+    """One method on one prompt (all its turns) in one repeat round."""
+
+    prompt: str
+    category: str
+    method: str
+    repeat: int
+    new_tokens: int
+    wall_s: float
+    token_ids: list[list[int]] = field(default_factory=list)  # per turn
+    accepted_lengths: list[int] | None = None
+    accepted_per_depth: list[int] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# (input_ids [1, T], max_new_tokens, seed) -> Turn
+Generate = Callable[[torch.Tensor, int, int], Turn]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
