@@ -12,11 +12,13 @@ from safetensors.torch import load_file
 
 from medusa_decoding.bench.prompts import load_jsonl_prompts
 from medusa_decoding.config import DistillConfig, MedusaError
-from medusa_decoding.data import Contamination, distill, is_held_out, read_done
-from medusa_decoding.data import unpack as unpack_file
+from medusa_decoding.data import Contamination, is_held_out
+from medusa_decoding.distill import distill, read_done
+from medusa_decoding.packs import unpack as unpack_file
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import load_base
-from medusa_decoding.train import load_positions, train
+from medusa_decoding.train import train
+from medusa_decoding.training import load_positions
 
 from conftest import run_cli, save_tiny
 from test_train import cfg as train_cfg
@@ -232,7 +234,7 @@ def test_a_packed_folder_unpacks_to_the_same_conversations_and_resumes(base_dir,
         (tmp_path / "d" / "manifest.json").read_text())["tokens"]
     assert unpack_file(packed, tmp_path / "u", source=str(data), device="cpu", progress=False) == 0  # nothing to redo
     # a datastore reads the same training answers from the folder and from its pack, the chat header before each
-    from medusa_decoding.data import answers_of
+    from medusa_decoding.packs import answers_of
     from medusa_decoding.datastore import LEAD, Datastore
 
     answers = list(answers_of(tmp_path / "d"))

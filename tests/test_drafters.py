@@ -11,9 +11,10 @@ from medusa_decoding import drafters
 from medusa_decoding.config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 from medusa_decoding.engine import GenerationStats
 from medusa_decoding import proposers
-from medusa_decoding.drafters import EagleDrafter, HydraHeads, grow_tree
+from medusa_decoding.drafters import EagleLayer, HydraHeads, grow_tree
 from medusa_decoding.engine import MedusaModel
-from medusa_decoding.train import train, ttt_mask
+from medusa_decoding.proposers.eagle import ttt_mask
+from medusa_decoding.train import train
 from medusa_decoding.tree import build_tree, tree_from_parents
 
 from conftest import EOS, decode, byte_tokenizer, save_tiny, tiny_llama
@@ -173,7 +174,7 @@ class OracleHydra(HydraHeads):
         return torch.where(miss[:, None], torch.randn(true.shape, generator=self.g) * true.std(), true)
 
 
-class OracleEagle(EagleDrafter):
+class OracleEagle(EagleLayer):
     """An eagle drafter that predicts the true feature after each position, often."""
 
     def setup(self, hidden, hit=0.75, seed=0):
@@ -361,8 +362,8 @@ def test_checkpoint_round_trip_engine_and_misfit(model, kind, tmp_path):
 def test_unknown_drafter_kind_is_refused():
     with pytest.raises(MedusaError, match="unknown drafter"):
         drafters.DrafterConfig(drafter="medusa2")
-    with pytest.raises(MedusaError, match="unknown drafter"):
-        TrainConfig(drafter="lookahead")
+    with pytest.raises(MedusaError, match="unknown drafter 'lookahead'"):  # before anything loads
+        train(TrainConfig(drafter="lookahead", model="/no/such/model", data="/no/such/data", out="/no/such/out"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from medusa_decoding.config import MedusaError, TrainConfig
 from medusa_decoding.heads import MedusaHeads
-from medusa_decoding.train import IGNORE, Positions, head_losses, load_positions, train
+from medusa_decoding.train import train
+from medusa_decoding.training import IGNORE, Positions, head_losses, load_positions
 
 from conftest import save_tiny
 
@@ -181,7 +182,7 @@ def test_bad_data_is_counted_not_fatal(base_dir, tmp_path):
 
 def test_shortlist_loss_covers_only_frequent_tokens():
     from medusa_decoding.config import HeadsConfig
-    from medusa_decoding.train import shortlist_head
+    from medusa_decoding.training import shortlist_head
 
     torch.manual_seed(1)
     d, v = 8, 12
@@ -206,7 +207,7 @@ def test_shortlist_loss_covers_only_frequent_tokens():
 def test_eagle_batches_group_similar_lengths():
     """bucketed_order is a permutation whose consecutive groups have similar lengths: less padding
     than random batches (break the sort and the padding test fails)."""
-    from medusa_decoding.train import bucketed_order
+    from medusa_decoding.training import bucketed_order
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 500, (1000,), generator=g)

@@ -181,10 +181,9 @@ def calibration_prompts(path: Path | None, limit: int) -> list[str]:
 # The n-gram chain is counted the same way, from the answer once it is known: under the root beside
 # the tree, it would have been accepted as far as it matches what the base emitted after the root,
 # and the step keeps the longer of the two branches (the largest budget's steps); the copy steps
-# that follow a step the chain won are counted from the answer too (without them the figures told
-# the fit that a 2-token chain never pays, and it switched the branch off: 1.19x plain against
-# 1.39x with it on 52 Spec-Bench first turns, Intel Xeon with AMX, eager); the chain alone is
-# decoded over the answer.
+# that follow a step the chain won are counted from the answer too (without them the figures
+# tell the fit that a short chain never pays, and it switches a paying branch off); the chain
+# alone is decoded over the answer.
 
 
 class _Recorder(Proposer):
@@ -230,8 +229,7 @@ class _Recorder(Proposer):
         branch runs them (the copy chain alone, each counted as one step, while they accept
         copy_run or more), and the recorded steps they pass over are left out; so are the recorded
         steps a chain went past when it accepted more than the recorded step did (counted again, they
-        made an 8-token chain beside 16-node trees count tau 3.24 where decoding gave 2.85 on 26
-        Spec-Bench first turns, AMD EPYC). Budget 1, the chain alone, is decoded over the answer as it
+        would overstate a long chain's gain). Budget 1, the chain alone, is decoded over the answer as it
         would have gone (each step advances by its match + 1)."""
         context = np.asarray(self.context, dtype=np.int64)
 
@@ -298,9 +296,8 @@ def chained_tau(tau: dict[int, float], gains: dict[int, list[float]]) -> dict[in
     """tau(b) (budget -> accepted per step) and the chain's gain per prompt (budget -> [tokens a step]; budget 1:
     the chain alone) -> tau(b) with the chain beside the tree."""
     # the chain's gain per prompt, then its mean: the gain comes in bursts, on the answers that copy their
-    # prompt (or loop), and a throughput is a mean. The median told the fit a chain never pays: on 24 held-out
-    # ShareGPT first turns at budget 6, 0.09 tokens a step against a mean of 0.62 (Spec-Bench, 26 first
-    # turns: 0.25 against 0.68, and turning the chain off there cost tau 2.43 -> 1.84; Intel Xeon with AMX)
+    # prompt (or loop), and a throughput is a mean: the median of such a gain is near zero and would
+    # tell the fit that a chain never pays
     return {b: tau.get(b, 1.0) + (statistics.fmean(g) if g else 0.0) for b, g in gains.items()}
 
 
@@ -381,8 +378,8 @@ def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, gri
         return variant.generate(prompt, max_new_tokens=max_new_tokens).stats
 
     drafter, cfg = model.heads, model.heads.config
-    if drafter.kind == "hydra":  # hydra drafts at most one depth per head
-        grid = tuple(dict.fromkeys((min(d, cfg.num_heads), w, b) for d, w, b in grid))
+    if drafter.max_depth is not None:  # e.g. hydra: one depth per head
+        grid = tuple(dict.fromkeys((min(d, drafter.max_depth), w, b) for d, w, b in grid))
     saved = (cfg.draft_depth, cfg.draft_width, cfg.draft_budget)
     ratios: dict[tuple, list[float]] = {g: [] for g in grid}
     taus: dict[tuple, list[float]] = {g: [] for g in grid}

@@ -139,9 +139,10 @@ def distill_data(
 ) -> None:
     """Self-distillation data: the base model's own answers to ShareGPT's user turns, with its features."""
     from .bench.prompts import has_suite, load_suite
-    from .data import Contamination, distill
-    from .data import pack as pack_folder
-    from .data import unpack as unpack_file
+    from .data import Contamination
+    from .distill import distill
+    from .packs import pack as pack_folder
+    from .packs import unpack as unpack_file
 
     if pack is not None:
         typer.echo(f"packed {pack_folder(out, pack)} conversations of {out} into {pack}", err=True)
@@ -176,7 +177,7 @@ def datastore(
     """A datastore for the n-gram branch: the answers of self-distilled data, searched by the context's longest suffix where the context itself has no match (generate/serve/bench --datastore FILE)."""
     import time
 
-    from .data import answers_of
+    from .packs import answers_of
     from .datastore import Datastore
 
     if split not in ("train", "eval", "all"):
@@ -255,7 +256,7 @@ def calibrate(
     m = MedusaModel.from_pretrained(model, DecodeSpec(drafter=str(heads), ngram=ngram, compile=CompileMode.OFF, exact=False,
                                                       calibration=CalibrationMode.SHIPPED), dtype=dtype, device=device)
     texts = cal.calibration_prompts(prompts, limit)
-    if m.drafter.kind != "medusa":
+    if not m.drafter.fits_tree:
         _calibrate_drafter(m, texts, max_new_tokens, heads, out, grid)
         return
     sequences = []

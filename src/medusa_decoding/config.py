@@ -181,7 +181,7 @@ class TrainConfig:
     model: str = DEFAULT_MODEL  # base model: alias, HF folder or .gguf
     data: str = "sharegpt"  # "sharegpt" or a JSON/JSONL file of ShareGPT-shaped records
     out: str = "runs/heads"  # heads, checkpoints, logs and metrics go here
-    drafter: str = "medusa"  # "medusa" heads, "hydra" sequential heads, or an "eagle" feature drafter
+    drafter: str = DrafterKind.MEDUSA.value  # a registered drafter kind: "medusa", "hydra", "eagle", ...
     init: str | None = None  # start from this checkpoint's weights and shape ("shipped": the one shipped of this kind)
     num_heads: int = 4  # K (hydra: the deepest level it drafts)
     num_layers: int = 1  # blocks per head
@@ -213,7 +213,7 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        self.drafter = DrafterKind.parse(self.drafter).value
+        self.drafter = str(getattr(self.drafter, "value", self.drafter))  # a registered kind (proposers.trainer_for)
         try:
             recipe = EagleRecipe(self.recipe)
         except ValueError:
@@ -246,10 +246,7 @@ class NgramConfig:
     last n tokens (prompt lookup), verified in the same forward as the head candidates."""
 
     # A short chain beside every tree, and copy steps once it is accepted whole: the chain's gain comes in
-    # bursts, and a long chain on every step pays its nodes on all of them (2026-12-06, Intel Xeon, the
-    # compiled step's costs, hydra budget 4, settings replayed over known answers by scripts/replay_ngram.py:
-    # length 2 / copy_run 2 against 8 / 4: x1.67 against x1.61 of plain on 48 held-out ShareGPT first turns,
-    # x1.51 against x1.40 on 52 Spec-Bench first turns, per-prompt medians; docs/ENGINE.md)
+    # bursts, and a long chain on every step pays its nodes on all of them (docs/ENGINE.md, "The n-gram chain")
     length: int = 2  # tokens proposed: nodes of the n-gram chain under the root
     max_ngram: int = 3  # the longest suffix is matched first
     min_ngram: int = 1
@@ -276,7 +273,7 @@ class NgramConfig:
 
 @dataclass
 class DistillConfig:
-    """Self-distillation data (data.distill, `medusa distill-data`): the base's own answers."""
+    """Self-distillation data (distill.py, `medusa distill-data`): the base's own answers."""
 
     max_new_tokens: int = 256  # per answer
     temperature: float = 0.0  # 0: greedy answers, what greedy decoding will see

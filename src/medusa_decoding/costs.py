@@ -215,9 +215,8 @@ def compiled_ratio(eager, compiled, layers: tuple[int, ...] | None = None, repea
 
 def compiled_costs(curve: CostCurve) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
     """The curve as the saved compiled graphs run it -> (verify, draft) relative to their t(1).
-    Compiling removes per-operator overhead, about the same at every size (Intel Xeon, fp32 on
-    blocks, eager minus saved graph at 1 / 4 / 8 / 16 / 32 nodes: 16.9 / 15.9 / 16.8 / 19.4 / 21.4
-    ms), so with r = curve.compiled = t_c(1) / t(1): t_c(n) = t(n) - (1 - r) t(1); the drafter
+    Compiling removes per-operator overhead, about the same at every size (measured: docs/ENGINE.md),
+    so with r = curve.compiled = t_c(1) / t(1): t_c(n) = t(n) - (1 - r) t(1); the drafter
     runs eager either way, so its share grows by 1 / r."""
     r = curve.compiled
     return ({n: (v - (1 - r)) / r for n, v in curve.verify.items()},

@@ -7,7 +7,7 @@ Medusa heads guess every depth from h_t alone. These two see the branch they ext
   - HydraHeads (`hydra`): head k reads h_t (or low, middle and last layers fused) and the
     embeddings of the branch's tokens x_{t+1} (the root) .. x_{t+k}, and guesses x_{t+k+1}: an
     MLP per head, no recurrence.
-  - EagleDrafter (`eagle`): one decoder layer of the base's own architecture (fresh weights)
+  - EagleLayer (`eagle`): one decoder layer of the base's own architecture (fresh weights)
     reads fc([f_t ; embed(x_{t+1})]) with causal attention over the sequence and predicts the
     next feature f_{t+1}; deeper nodes feed the drafter its own predicted features. It keeps a
     KV cache of its own, as the base does.
@@ -42,6 +42,9 @@ WEIGHTS_NAME = "model.safetensors"
 DRAFTERS = (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value)  # the kinds this file builds
 
 
+SHORTLIST_SIZE = 8192  # V': a drafter's tokens, the most frequent of its training answers
+
+
 @dataclass
 class DrafterConfig(JsonConfig):
     """A path-aware drafter's shape and its drafting defaults; saved as config.json."""
@@ -50,7 +53,7 @@ class DrafterConfig(JsonConfig):
     hidden_size: int = 576  # D, must equal the base's
     vocab_size: int = 49152  # V, must equal the base's
     base_model_name_or_path: str = DEFAULT_MODEL
-    shortlist_size: int = 8192  # V': tokens the drafter may propose (ids stored with the weights)
+    shortlist_size: int = SHORTLIST_SIZE  # V': tokens the drafter may propose (ids stored with the weights)
     num_heads: int = 4  # hydra: K heads, so at most K depths
     inner_size: int = 1152  # hydra: the MLP's inner width
     # drafting defaults (EAGLE-2's rule): depths drafted, nodes expanded per depth, nodes kept
@@ -169,6 +172,7 @@ class _Drafter(nn.Module):
     """What both drafters share: config, shortlist ids, checks, saving."""
 
     config: DrafterConfig
+    max_depth: int | None = None  # the deepest level it can draft (None: as deep as asked)
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -214,6 +218,11 @@ class HydraHeads(_Drafter):
     as a guess of x_{t+k+1}. e is the base's frozen input embedding, passed in; c_t is h_t, or
     with `feature_layers` the fused low, middle and last layers (from_base), computed once a step."""
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest level it drafts: one depth per head."""
+        return self.config.num_heads
+
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
         d, inner = config.hidden_size, config.inner_size
@@ -244,7 +253,7 @@ class HydraHeads(_Drafter):
                             for k in range(self.config.num_heads)])
 
 
-class EagleDrafter(_Drafter):
+class EagleLayer(_Drafter):
     """fc([f_t ; e(x_{t+1})]) -> one decoder layer of the base's class -> predicted f_{t+1}.
 
     With `feature_layers` (EAGLE-3), f_t at a verified position is fused from several base layers
@@ -294,18 +303,18 @@ class EagleDrafter(_Drafter):
         return DynamicCache(config=self.text_config)
 
 
-def for_base(kind: str, base_model, name_or_path: str = "", **overrides) -> HydraHeads | EagleDrafter:
+def for_base(kind: str, base_model, name_or_path: str = "", **overrides) -> HydraHeads | EagleLayer:
     """A fresh drafter sized for `base_model`, on its device and dtype."""
     cfg = base_model.config.get_text_config()
     config = DrafterConfig(drafter=kind, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                            base_model_name_or_path=name_or_path or cfg.name_or_path, **overrides)
     config.shortlist_size = min(config.shortlist_size, cfg.vocab_size)
-    drafter = HydraHeads(config) if kind == "hydra" else EagleDrafter(config, base_model)
+    drafter = HydraHeads(config) if kind == "hydra" else EagleLayer(config, base_model)
     weight = base_model.get_output_embeddings().weight
     return drafter.to(device=weight.device, dtype=weight.dtype)
 
 
-def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
+def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleLayer:
     """Load a drafter saved by save_pretrained, sized and placed for `base_model`."""
     path = Path(path).expanduser()
     raw = json.loads((path / CONFIG_NAME).read_text())
@@ -313,7 +322,7 @@ def from_pretrained(path: str | Path, base_model) -> HydraHeads | EagleDrafter:
         raise MedusaError(f"{path} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
     config = DrafterConfig.from_dict(raw)
     check_fits(base_model, config.hidden_size, config.vocab_size, f"{config.drafter} drafter weights")
-    drafter = HydraHeads(config) if config.drafter == "hydra" else EagleDrafter(config, base_model)
+    drafter = HydraHeads(config) if config.drafter == "hydra" else EagleLayer(config, base_model)
     state = load_file(path / WEIGHTS_NAME)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:

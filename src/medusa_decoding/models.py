@@ -53,15 +53,14 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on GPUs that have it (else fp16), and on CPUs with bf16 dot products in hardware
-    (AVX-512 BF16, AMX); fp32 on other CPUs. Measured on an AVX2-only EPYC (1 thread): a bf16
-    step of 1 / 8 / 16 / 32 nodes took 66 / 314 / 663 / 1303 ms, fp32 78 / 150 / 178 / 241 ms:
-    without native bf16 a tree verification costs 4-5x more in bf16 than in fp32."""
+    (AVX-512 BF16, AMX); fp32 on other CPUs, where bf16 is emulated and a tree verification costs
+    several times its fp32 cost (docs/ENGINE.md)."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "cpu" and not native_bf16():
             return torch.float32
-        return torch.bfloat16  # with native bf16: steps ~1.5x faster than stock fp32 (AVX-512 BF16 EPYC)
+        return torch.bfloat16  # with native bf16: faster steps than stock fp32
     if dtype not in DTYPES:
         raise MedusaError(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, 'auto'])}")
     return DTYPES[dtype]
@@ -70,12 +69,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def tries_blocks(dtype: str, device: torch.device, folder: Path) -> bool:
     """Whether `auto` loads this checkpoint in fp32 first, to keep it there if its linears run on a
     GGUF's blocks (on_blocks): on CPUs with bf16 in hardware (AVX-512 BF16, AMX), for fp32
-    checkpoints (a GGUF's dequantised folder is one); on the others auto is fp32 anyway. Measured,
-    13 Spec-Bench prompts, 96 tokens, interleaved (scripts/dtype_ab.py): on the AMD EPYC with
-    AVX-512 bf16 fp32 on blocks decoded plainly 1.89x bf16 on packed linears, the default method
-    1.26x; on the Intel Xeon with AMX, plain 1.51x eager and 2.30x on saved compiled graphs (50.1
-    vs 21.8 tok/s), the default method 0.92x eager and 1.15x compiled (41.8 vs 36.4). Both token-
-    identical to fp32 plain decoding (13/13; bf16 default vs bf16 plain: 3-6/13)."""
+    checkpoints (a GGUF's dequantised folder is one); on the others auto is fp32 anyway. On blocks
+    fp32 decoded faster than bf16 on packed linears on the CPUs measured, and its speculative output
+    is plain decoding's token for token (docs/ENGINE.md, "Linears on the GGUF's blocks")."""
     if dtype != "auto" or device.type != "cpu" or resolve_dtype(dtype, device) != torch.bfloat16:
         return False
     try:

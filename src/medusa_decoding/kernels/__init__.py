@@ -18,7 +18,6 @@ def lean_linears(model):
 def draft_linears(drafter):
     """A drafter's module on lean linears: as lean_linears, and in fp32 on CPU with its own weights
     (not a GGUF's) quantized to Q8_0 blocks. A drafter's weights change what it proposes, never the
-    output, which the base verifies; in fp32 its layers read 4 bytes a weight a step (the shipped
-    hydra's three heads of a budget-4 tree: 32 MB, 5.6 of its 10 ms on the AVX2 EPYC), Q8_0 1.06."""
+    output, which the base verifies; in fp32 its layers read 4 bytes a weight a step, in Q8_0 1.06."""
     out = pack_linears(drafter)
     return out if out is not drafter else block_linears(drafter, lossy=BlockKind.Q8_0)

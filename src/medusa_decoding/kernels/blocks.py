@@ -18,9 +18,7 @@ threads: each row of a product is the one-row product (checked by `check`), so p
 decoding on these layers give the same tokens, as on stock fp32 layers. The order of the sum is not
 MKL's, so outputs differ from stock fp32 in the last bits (relative ~1e-6), as another BLAS would.
 
-Measured on the AMD EPYC Zen 3 (AVX2, 2 threads), the 210 linears of 30 SmolLM2 layers, one pass,
-ms (fp32 stock -> blocks), and the AVX-512 path on the Zen 4: see docs/ENGINE.md, "Linears on the
-GGUF's blocks".
+Measured costs per CPU kind: docs/ENGINE.md, "Linears on the GGUF's blocks".
 """
 
 from __future__ import annotations
@@ -253,9 +251,8 @@ def build(target: str, op: bool = True):
 def stream_rows() -> int:
     """The most rows the kernel's AVX-512 path takes (in chunks of <= 16) before its AVX2 path: 8, or
     all of them, whichever multiplies 16 rows faster on this CPU, timed once a process (~0.1 s). Both
-    give the same bits, so the choice changes speed only: AVX2 above 8 rows was faster on the AMD EPYC
-    Zen 4 (256-bit AVX-512 units); on an Intel Xeon with AMX the chunks made an eager step of 12-32
-    nodes 1.15-1.23x faster (docs/ENGINE.md)."""
+    give the same bits, so the choice changes speed only: which is faster depends on the CPU's
+    AVX-512 units (docs/ENGINE.md)."""
     if kernel_target() not in ("AVX512", "AMX"):
         return FEW_ROWS  # an AVX2 build has one path
     g = torch.Generator().manual_seed(0)
@@ -279,9 +276,8 @@ def stream_rows() -> int:
 def amx_ready() -> bool:
     """Whether layers go to the kernel's AMX path here: the CPU has the tiles (`isa()`), the kernel built
     with them, and the OS grants this process the tile state. A deterministic choice per machine (not
-    timed), because the AMX sums are not the AVX paths' bits. On the Xeon (2 threads), Q4_1 layers ran
-    1.06-1.6x faster at one row and 1.15-1.9x at 16, the Q8_0 LM head 0.92x at one row, 1.5x at 4 and
-    2.4x at 16 (docs/ENGINE.md)."""
+    timed), because the AMX sums are not the AVX paths' bits. A tile product costs about the same for
+    1 row as for 16, so trees verify at nearly the cost of one token (docs/ENGINE.md)."""
     return kernel_target() == "AMX" and bool(kernel().amx_ready())
 
 

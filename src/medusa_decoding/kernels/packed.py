@@ -3,26 +3,17 @@
 An eager bf16 `F.linear` on CPU hands its weight to oneDNN in the plain [out, in] layout, which
 oneDNN reorders into its blocked layout on every call. Reordered once, at load (what inductor's
 freezing does inside a frozen graph), the same weights give each row the output of a one-row
-product, bit for bit, in less time. Measured on the AMD EPYC with AVX-512 bf16 (2 threads, median
-of 200 calls, us):
-
-| weight [out, in] | 1 row | 8 rows | 16 rows | 32 rows |
-|---|---|---|---|---|
-| 576 x 576 | 47 -> 37 | 46 -> 32 | 56 -> 46 | 81 -> 72 |
-| 1536 x 576 | 65 -> 34 | 94 -> 56 | 150 -> 123 | 227 -> 186 |
-| 49152 x 576 (the LM head) | 4688 -> 2614 | 5407 -> 2878 | 6759 -> 3748 | 9132 -> 6170 |
-
-On the Intel Xeon with AMX (2 threads, median of 50 calls, us): 576 x 576 46 -> 25 at 1 row,
-42 -> 26 at 16; 1536 x 576 82 -> 36, 84 -> 48; the LM head 2642 -> 1277, 3548 -> 1353.
+product, bit for bit, in less time (about half the time of a bf16 call on the CPUs measured:
+docs/ENGINE.md, "Packed linears").
 
 fp32 gains nothing this way (MKL's packed sgemm: the same time, and 1-row outputs differ in the
 last bits), so only bf16 and fp16 are packed, and only where `check` finds every row of a packed
 product, at several row counts, bit-identical to `F.linear` of that row alone: what a one-token
 step computes. The packed step is then the model's own computation, each row as plain decoding
 computes it, whatever the other rows, so exactness (plain vs speculative, exact mode) is untouched.
-Stock `F.linear` need not be that: on the Xeon with AMX its rows of the LM head differ from the
-one-row product from 28 rows on (oneDNN picks its blocking by the row count), where the packed
-rows do not (1 to 128 rows, every shape of SmolLM2).
+Stock `F.linear` need not be that: oneDNN picks its blocking by the row count, so on some CPUs its
+rows of a large product differ from the one-row product past some row count, where the packed rows
+do not (checked from 1 to 128 rows, every shape of SmolLM2).
 
 `packed_copy(model)` is a copy of the model's module tree that shares every parameter and buffer
 with it; only its `nn.Linear` modules are replaced by `PackedLinear` (which keeps the shared weight

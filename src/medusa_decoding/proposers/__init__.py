@@ -14,8 +14,9 @@ Two levels, as transformers' candidate generators and vLLM's proposers have them
 The n-gram branch (ngram.py) wraps any proposer, or none: its chain joins the tree.
 
 `REGISTRY` maps a drafter kind (the `drafter` field of a checkpoint's config.json, a
-`DrafterKind` for the built-in ones) to how that checkpoint is loaded and wrapped. It is the
-only place a kind is looked up: a new drafter is one file plus one `register` call.
+`DrafterKind` for the built-in ones) to how that checkpoint is loaded, wrapped and trained. It
+is the only place a kind is looked up: a new drafter, for inference and training, is one file
+plus one `register` call.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Drafter:
     """What every row of one method shares; `proposer()` makes a row's state."""
 
     kind: str = "plain"
+    # True: `medusa calibrate` fits a static tree to its heads' accuracy (Medusa heads); False: it
+    # measures the acceptance of the trees it drafts at every budget (acceptance.json)
+    fits_tree: bool = False
     weights = None  # the nn.Module it drafts with (MedusaHeads, HydraHeads, ...), if any
     # the base hidden states its proposers observe (verifiers.transformers.forward's `layers`);
     # None: the last layer's, after the final norm
@@ -143,6 +147,8 @@ class DrafterSpec:
     load: Callable
     # (weights, base model, tree, budget) -> Drafter; tree: a tree file, paths, "dynamic" or None
     wrap: Callable
+    # (TrainConfig) -> a training.Trainer: how `medusa train` trains this kind (None: it does not train)
+    trainer: Callable | None = None
 
 
 REGISTRY: dict[str, DrafterSpec] = {}
@@ -172,6 +178,15 @@ def spec_for(kind: str) -> DrafterSpec:
     if kind not in REGISTRY:
         raise MedusaError(f"unknown drafter {kind!r}; known: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[kind]
+
+
+def trainer_for(kind: str) -> Callable:
+    """How kind `kind` trains (a training.Trainer class); a kind without one is refused."""
+    spec = spec_for(kind)
+    if spec.trainer is None:
+        raise MedusaError(f"drafter {kind!r} has no training recipe; trainable: "
+                          + ", ".join(sorted(k for k, s in REGISTRY.items() if s.trainer is not None)))
+    return spec.trainer
 
 
 def load(folder: str | Path, base_model):

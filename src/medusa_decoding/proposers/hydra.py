@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .. import drafters
-from ..config import DrafterKind
+from ..config import DrafterKind, MedusaError
+from ..training import PositionTrainer, fresh_drafter
 from . import DrafterSpec, register
 from .paths import PathDrafter, PathProposer, load
 
@@ -90,4 +91,29 @@ class HydraProposer(PathProposer):
         return self.last_features, root.reshape(1)
 
 
-register(DrafterKind.HYDRA, DrafterSpec(load=load, wrap=HydraDrafter))
+class HydraTrainer(PositionTrainer):
+    """Hydra heads: head k reads h_t (or the fused layers, --fused) and the embeddings of the k
+    tokens of its branch; losses and proposals over the shortlist."""
+
+    reads_embeddings = True
+
+    @property
+    def fused(self) -> bool:
+        return self.cfg.fused
+
+    def new_weights(self, base, layers):
+        return fresh_drafter(DrafterKind.HYDRA.value, base, self.cfg, layers, self.fused)
+
+    def check_warm_start(self, weights, source: str) -> None:
+        if (weights.config.feature_layers is not None) != self.cfg.fused:
+            flag = "--fused" if weights.config.feature_layers is not None else "no --fused"
+            raise MedusaError(f"--init {source} {'does not read' if self.cfg.fused else 'reads'} fused features; pass {flag}")
+
+    def num_heads(self, weights) -> int:
+        return weights.config.num_heads
+
+    def shortlist_size(self, weights) -> int:
+        return weights.config.shortlist_size
+
+
+register(DrafterKind.HYDRA, DrafterSpec(load=load, wrap=HydraDrafter, trainer=HydraTrainer))

@@ -18,6 +18,7 @@ from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
 from ..kernels import draft_linears, lean_linears
+from ..training import PositionTrainer
 from . import Drafter, DrafterSpec, Proposal, Proposer, register
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads (medusa calibrate)
@@ -47,6 +48,7 @@ class MedusaDrafter(Drafter):
     """Heads (placed on the base's device and dtype) and the tree they fill."""
 
     kind = DrafterKind.MEDUSA.value
+    fits_tree = True
 
     def __init__(self, heads: MedusaHeads, base_model, tree=None, budget: int | None = None):
         heads.check_fits(base_model)
@@ -158,4 +160,19 @@ def load(folder: Path, base_model) -> MedusaHeads:
     return heads
 
 
-register(DrafterKind.MEDUSA, DrafterSpec(load=load, wrap=MedusaDrafter))
+class MedusaTrainer(PositionTrainer):
+    """Medusa heads on the last hidden state; the whole vocabulary, or --train-vocab's shortlist
+    for the losses only (the heads still meet the full LM head at inference)."""
+
+    def new_weights(self, base, layers):
+        cfg = self.cfg
+        return MedusaHeads.for_base(base, cfg.num_heads, cfg.num_layers, not cfg.own_lm_head, cfg.model, cfg.inner_size)
+
+    def num_heads(self, weights) -> int:
+        return weights.num_heads
+
+    def shortlist_size(self, weights) -> int:
+        return self.cfg.train_vocab if self.cfg.train_vocab and not self.cfg.own_lm_head else 0
+
+
+register(DrafterKind.MEDUSA, DrafterSpec(load=load, wrap=MedusaDrafter, trainer=MedusaTrainer))

@@ -54,77 +54,68 @@ class _Prepared:
     include_usage: bool
 
 
-def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | None = None,
-               use_medusa: bool = True, adaptive: bool = True) -> FastAPI:
-    """The FastAPI app serving `model`'s method (use_medusa False: plain batched decoding).
-    max_batch_size: sequences decoded together (more wait in the queue); adaptive: each step's
-    budget chosen from measured throughput at the current number of rows (False: always the
-    method's own budget)."""
-    name = model_name or model.name or "medusa"
-    method = model.method(use_medusa)
-    policy = method.adaptive() if adaptive else None
-    decoder = model.decoder(max_batch_size, use_medusa, policy)
-    scheduler = Scheduler(decoder)
-    ctx = decoder.ctx
-    log.info("serving %s: %s, up to %d sequences at once%s", name, method.describe(), decoder.max_batch_size,
-             ", speculation adapted to load" if policy else "")
+class Service:
+    """What the routes call: one model's method behind one scheduler (continuous batching)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(scheduler.run())
+    def __init__(self, model: MedusaModel, max_batch_size: int = 8, model_name: str | None = None,
+                 use_medusa: bool = True, adaptive: bool = True):
+        self.model = model
+        self.name = model_name or model.name or "medusa"
+        self.method = model.method(use_medusa)
+        policy = self.method.adaptive() if adaptive else None
+        decoder = model.decoder(max_batch_size, use_medusa, policy)
+        self.scheduler = Scheduler(decoder)
+        self.ctx, self.max_batch_size = decoder.ctx, max_batch_size
+        log.info("serving %s: %s, up to %d sequences at once%s", self.name, self.method.describe(),
+                 decoder.max_batch_size, ", speculation adapted to load" if policy else "")
+
+    def health(self) -> dict:
+        model = self.model
+        return {"status": "ok", "model": self.name, "method": self.method.describe(),
+                "dtype": str(model.base.dtype).removeprefix("torch."),
+                "exact": model.base.config._attn_implementation == EXACT_ATTENTION_NAME,
+                "active": self.scheduler.active, "queued": self.scheduler.queue.qsize(),
+                "max_batch_size": self.max_batch_size, "rss_mib": resident_mib()}
+
+    def models(self) -> dict:
+        return {"object": "list",
+                "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
+
+    def check_model(self, body: _Body) -> None:
+        if body.model != self.name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt, chat: bool, param: str) -> torch.Tensor:
         try:
-            yield
-        finally:
-            scheduler.close()
-            try:  # the step in progress ends, then run() returns
-                await asyncio.wait_for(task, timeout=30)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                task.cancel()
+            return self.model.encode(prompt, chat=chat)  # [1, T]
+        except MedusaError as e:
+            raise APIError(400, str(e), param=param) from None
 
-    app = FastAPI(title="medusa-decoding", lifespan=lifespan)
-    app.state.scheduler = scheduler
-    app.state.model_name = name
+    def completion_ids(self, body: CompletionBody) -> torch.Tensor:
+        """A completion's prompt (text, or token ids) -> input_ids [1, T]."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if not all(0 <= t < self.model.base.config.get_text_config().vocab_size for t in prompt):
+                raise APIError(400, "prompt token ids must be in the vocabulary", param="prompt")
+            return torch.tensor([prompt])
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt must be one string (one choice per request), got {len(prompt)}",
+                               param="prompt")
+            prompt = prompt[0]
+        return self.encode(prompt, False, "prompt")
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: HTTPRequest, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+    def chat_ids(self, body: ChatBody) -> torch.Tensor:
+        """A chat's messages, rendered by the model's chat template -> input_ids [1, T]."""
+        if not body.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
+        return self.encode(messages, True, "messages")
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: HTTPRequest, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "json_invalid":
-            detail = err.get("ctx", {}).get("error", "")
-            error = APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
-        elif tuple(err.get("loc", ())) == ("body",):
-            error = APIError(400, "the request body must be a JSON object with the request's fields")
-        else:
-            # the field's path, e.g. messages.0.role; a union adds its members' names: dropped
-            param = ".".join(str(p) for p in err["loc"][1:] if isinstance(p, int) or p in FIELDS) or None
-            error = APIError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param, code="invalid_value")
-        return JSONResponse(error.body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code)
-
-    page = (resources.files(__package__) / "page.html").read_text(encoding="utf-8")
-
-    @app.get("/", response_class=HTMLResponse)
-    async def index():
-        return page
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": name, "method": method.describe(), "dtype": str(model.base.dtype).removeprefix("torch."),
-                "exact": model.base.config._attn_implementation == EXACT_ATTENTION_NAME, "active": scheduler.active,
-                "queued": scheduler.queue.qsize(), "max_batch_size": max_batch_size, "rss_mib": resident_mib()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
-
-    def prepare(body: _Body, input_ids: torch.Tensor, max_tokens: int | None, default_max: int | None) -> _Prepared:
+    def prepare(self, body: _Body, input_ids: torch.Tensor, max_tokens: int | None, default_max: int | None) -> _Prepared:
         """Validate the shared parameters and build the job."""
+        ctx = self.ctx
         if body.n not in (None, 1):
             raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
         prompt_tokens = input_ids.shape[-1]
@@ -155,70 +146,31 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage)
 
-    def check_model(body: _Body) -> None:
-        if body.model != name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}",
-                           param="model", code="model_not_found")
-
-    def encode(prompt, chat: bool, param: str) -> torch.Tensor:
-        try:
-            return model.encode(prompt, chat=chat)  # [1, T]
-        except MedusaError as e:
-            raise APIError(400, str(e), param=param) from None
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: HTTPRequest):
-        check_model(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            if not all(0 <= t < model.base.config.get_text_config().vocab_size for t in prompt):
-                raise APIError(400, "prompt token ids must be in the vocabulary", param="prompt")
-            input_ids = torch.tensor([prompt])
-        else:
-            if isinstance(prompt, list):
-                if len(prompt) != 1:
-                    raise APIError(400, f"prompt must be one string (one choice per request), got {len(prompt)}",
-                                   param="prompt")
-                prompt = prompt[0]
-            input_ids = encode(prompt, False, "prompt")
-        prepared = prepare(body, input_ids, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-        return await respond(prepared, request, "text_completion", "cmpl")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: HTTPRequest):
-        check_model(body)
-        if not body.messages:
-            raise APIError(400, "messages must hold at least one message", param="messages")
-        messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
-        input_ids = encode(messages, True, "messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = prepare(body, input_ids, max_tokens, None)
-        return await respond(prepared, request, "chat.completion", "chatcmpl")
-
-    async def respond(prepared: _Prepared, request: HTTPRequest, kind: str, prefix: str):
-        job = prepared.job
+    async def respond(self, prepared: _Prepared, request: HTTPRequest, kind: str, prefix: str):
+        """Submit the job; answer with its whole text, or with a stream of server-sent events."""
+        job, scheduler = prepared.job, self.scheduler
         scheduler.submit(job)
         # the watcher also covers a stream whose client leaves before its generator starts
         job.watcher = asyncio.create_task(watch_disconnect(request, scheduler, job))
-        meta = {"id": f"{prefix}-{job.id}", "created": int(time.time()), "model": name}
+        meta = {"id": f"{prefix}-{job.id}", "created": int(time.time()), "model": self.name}
         if prepared.stream:
-            return StreamingResponse(stream_events(prepared, meta, kind), media_type="text/event-stream",
+            return StreamingResponse(self.stream_events(prepared, meta, kind), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text = TextDecoder(model.tokenizer, prepared.stop)
+            text = TextDecoder(self.model.tokenizer, prepared.stop)
             parts = [delta async for delta in deltas(job, text)]
         finally:
             scheduler.cancel(job)  # a no-op once it finished; frees the slot otherwise
         if job.finish_reason is None:  # cancelled from outside: shutdown or a gone client
             raise shutting_down()
-        result = text_result(prepared, text, "".join(parts))
+        result = self.text_result(prepared, text, "".join(parts))
         choice = ({"index": 0, "text": result["text"], "logprobs": None, "finish_reason": result["finish_reason"]}
                   if kind == "text_completion" else
                   {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
                    "finish_reason": result["finish_reason"]})
         return {**meta, "object": kind, "choices": [choice], "usage": result["usage"], "medusa": result["medusa"]}
 
-    def text_result(prepared: _Prepared, text: TextDecoder, full: str) -> dict:
+    def text_result(self, prepared: _Prepared, text: TextDecoder, full: str) -> dict:
         job = prepared.job
         stats: GenerationStats = job.stats
         completion = len(text.token_ids)
@@ -230,12 +182,12 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
             "medusa": {"steps": stats.steps, "mean_accepted_length": round(stats.mean_accepted_length, 4),
                        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
                        "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "ngram_accepted": stats.ngram_accepted,
-                       "method": method.describe() if job.request.speculative else "plain",
+                       "method": self.method.describe() if job.request.speculative else "plain",
                        "tokens_per_s": round(stats.tokens_per_s, 2), "prefill_s": round(stats.prefill_s, 4),
                        "decode_s": round(stats.decode_s, 4)},
         }
 
-    async def stream_events(prepared: _Prepared, meta: dict, kind: str) -> AsyncIterator[str]:
+    async def stream_events(self, prepared: _Prepared, meta: dict, kind: str) -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
         def event(choice: dict | None, **extra) -> str:
@@ -253,7 +205,7 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
             return [{"text": piece, "step": steps[i][0], "depth": steps[i][1], "source": steps[i][2].value}
                     for i, piece in text.pieces()]
 
-        text = TextDecoder(model.tokenizer, prepared.stop)
+        text = TextDecoder(self.model.tokenizer, prepared.stop)
         try:
             if kind == "chat.completion":
                 yield event(choice(None, role=True))
@@ -267,13 +219,90 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
             if prepared.job.finish_reason is None:  # cancelled by the server: say so, no [DONE]
                 yield f"data: {json.dumps(shutting_down().body())}\n\n"
                 return
-            result = text_result(prepared, text, text.text)
+            result = self.text_result(prepared, text, text.text)
             yield event(choice(None, finish=result["finish_reason"]), medusa=result["medusa"] | {"tokens": provenance()})
             if prepared.include_usage:
                 yield event(None, usage=result["usage"])
             yield "data: [DONE]\n\n"
         finally:  # also on a client disconnect, which cancels this generator
-            scheduler.cancel(prepared.job)
+            self.scheduler.cancel(prepared.job)
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """FastAPI's validation error -> OpenAI's error body, naming the field."""
+    err = e.errors()[0] if e.errors() else {}
+    if err.get("type") == "json_invalid":
+        detail = err.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
+    if tuple(err.get("loc", ())) == ("body",):
+        return APIError(400, "the request body must be a JSON object with the request's fields")
+    # the field's path, e.g. messages.0.role; a union adds its members' names: dropped
+    param = ".".join(str(p) for p in err["loc"][1:] if isinstance(p, int) or p in FIELDS) or None
+    return APIError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param, code="invalid_value")
+
+
+def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | None = None,
+               use_medusa: bool = True, adaptive: bool = True) -> FastAPI:
+    """The FastAPI app serving `model`'s method (use_medusa False: plain batched decoding).
+    max_batch_size: sequences decoded together (more wait in the queue); adaptive: each step's
+    budget chosen from measured throughput at the current number of rows (False: always the
+    method's own budget)."""
+    service = Service(model, max_batch_size, model_name, use_medusa, adaptive)
+    scheduler = service.scheduler
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(scheduler.run())
+        try:
+            yield
+        finally:
+            scheduler.close()
+            try:  # the step in progress ends, then run() returns
+                await asyncio.wait_for(task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                task.cancel()
+
+    app = FastAPI(title="medusa-decoding", lifespan=lifespan)
+    app.state.scheduler = scheduler
+    app.state.model_name = service.name
+    page = (resources.files(__package__) / "page.html").read_text(encoding="utf-8")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: HTTPRequest, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: HTTPRequest, e: RequestValidationError):
+        return JSONResponse(validation_error(e).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return page
+
+    @app.get("/health")
+    async def health():
+        return service.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: HTTPRequest):
+        service.check_model(body)
+        prepared = service.prepare(body, service.completion_ids(body), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await service.respond(prepared, request, "text_completion", "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: HTTPRequest):
+        service.check_model(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prepared = service.prepare(body, service.chat_ids(body), max_tokens, None)
+        return await service.respond(prepared, request, "chat.completion", "chatcmpl")
 
     return app
 

@@ -16,8 +16,7 @@ up when its file appears: no run waits for a compiler, and the next one starts c
 Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` never freezes):
 - cached (the default for fp32, and on GPUs): `torch.compile(...).aot_compile`, weights read as
   inputs; each graph is saved under $MEDUSA_CACHE/compiled/<machine and model key>/ and the next
-  process loads it in ~2 s instead of compiling it again (~70 s for SmolLM2 on a 2-core EPYC).
-  Measured there in fp32: 69-79 ms a 1-node step, frozen 71 ms, eager 94-103 ms.
+  process loads it in seconds instead of compiling it again (about a minute a shape on 2 cores).
 - frozen (bf16/fp16 on CPU): inductor freezing makes the weights constants of the graph and the
   linear layers run on prepacked oneDNN weights, which halves them in bf16 (34 vs 71 us a call,
   docs/ENGINE.md); a frozen graph cannot be serialized (aot_compile refuses it), so every process
@@ -94,12 +93,9 @@ def linears(model) -> str:
 def compiles_by_default(model) -> bool:
     """Does compile mode auto compile this model's step? Where it runs on the slot cache, unless in
     exact mode (its row-invariant kernels are eager ones) or where the eager step runs on packed
-    linears (bf16/fp16 on CPU, packed.py), which made it as fast as the saved graph: on the AMD
-    EPYC with AVX-512 bf16 (scripts/profile_step.py --paths stock,eager,saved, prefix 200, 2 threads)
-    1 / 8 / 16 nodes took 49.0 / 53.2 / 62.2 ms packed, 47.6 / 53.0 / 61.9 ms saved, 67.5 / 74.3 /
-    87.1 ms stock, and a saved graph costs 40-60 s to build a shape. An fp32 step on the GGUF's
-    blocks (blocks.py) does compile: on the AMD EPYC Zen 3 (AVX2, 13 Spec-Bench prompts) its saved
-    graphs ran plain decoding 1.56x and the default method 1.30x their eager speed."""
+    linears (bf16/fp16 on CPU, packed.py), which make it as fast as the saved graph for none of the
+    graph's build time. An fp32 step on the GGUF's blocks (blocks.py) does compile: its saved graphs
+    remove the per-operator overhead that dominates it (docs/ENGINE.md has the profiles)."""
     return (full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
             and packed.supported(next(model.parameters())) is not None)
 
@@ -134,13 +130,11 @@ def build_graph(args: tuple, path: Path, fn=None):
     if fn is _forward and args[-1] is not None:  # feature layers: transformers installs its output-capturing
         _forward(*args)  # hooks on the first such forward, under a lock dynamo cannot trace (a fresh builder failed)
     # keep only tensor-metadata guards: the rest (module identities) cannot be saved. No size asserts:
-    # the wrapper checked every input's sizes and strides on each call, ~1,000 checks a step (Intel Xeon,
-    # fp32 on blocks: 13.9 -> 13.7 ms at 1 node, 16.1 -> 15.5 at 4), and a graph's inputs are fixed by its shape
-    # On CPU the wrapper that calls the graph's kernels is C++ (cpp_wrapper), not Python: ~600 calls
-    # a step, each ~2 us of interpreter and dispatcher (Intel Xeon, fp32 on blocks, 2 threads: a
-    # 4-node step 9.62 -> 8.57 ms, 7 nodes 9.73 -> 8.86, the same logits). Built apart from the
-    # kernels (cpp_wrapper_build_separate): in one translation unit at -O3 a graph took 245 s to
-    # build against 36 s, for the same step time.
+    # the wrapper would check every input's sizes and strides on each call, and a graph's inputs are
+    # fixed by its shape. On CPU the wrapper that calls the graph's kernels is C++ (cpp_wrapper), not
+    # Python: hundreds of calls a step, each paying the interpreter otherwise. Built apart from the
+    # kernels (cpp_wrapper_build_separate): one translation unit at -O3 builds several times slower
+    # for the same step time.
     cpu = next(args[0].parameters()).device.type == "cpu"
     compiler = torch.compile(fn, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe,
