@@ -93,7 +93,7 @@ def replay(known: dict, cost, budget: int, length: int | None, copy_run: int, co
         else:
             accepted, spent, on_chain = tree[i], spent + cost(budget, True), False
         accepted = min(accepted, len(tree) - 1 - i)
-        copying = on_chain and 0 < copy_run <= accepted and not (stored[i] and store == "no-copies")
+        copying = on_chain and NgramConfig(copy_run=copy_run).copies_after(accepted) and not (stored[i] and store == "no-copies")
         i += 1 + accepted
         steps += 1
     return len(tree) / spent, len(tree) / steps

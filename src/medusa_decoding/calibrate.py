@@ -242,12 +242,12 @@ class _Recorder(Proposer):
             steps = tokens = 0
             while at < len(context) and (found := match(at, config.copy_chain)) is not None:
                 steps, tokens, at = steps + 1, tokens + found + 1, at + found + 1
-                if found < config.copy_run:
+                if not config.copies_after(found):
                     break
             return steps, tokens, at
 
-        def copying_after(found: int, kept: int) -> bool:  # the chain won the step with copy_run tokens or more
-            return 0 < config.copy_run <= found and found > kept
+        def copying_after(found: int, kept: int) -> bool:  # the chain won the step, and enough of it for copy steps
+            return config.copies_after(found) and found > kept
 
         out = dict.fromkeys(self.budgets, 0.0)
         if self.steps:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # a checkpoint folder's two files
 
 # Medusa's notation: a path (0, 2) is head 2's third candidate under head 1's top candidate.
 # These 15 paths are the first 15 nodes of the Medusa-1 Vicuna-7B tree, ordered by their
@@ -269,6 +270,11 @@ class NgramConfig:
     def copy_chain(self) -> int:
         """Tokens of the chain a copy step verifies."""
         return max(self.copy_length, self.length)
+
+    def copies_after(self, chain_accepted: int) -> bool:
+        """The copy-step policy, for the engine, the calibration and any replay: does a step that the
+        chain won with `chain_accepted` of its tokens start (or go on with) copy steps?"""
+        return 0 < self.copy_run <= chain_accepted
 
 
 @dataclass

@@ -32,13 +32,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import DEFAULT_MODEL, DrafterKind, JsonConfig, MedusaError
+from .config import CONFIG_NAME, DEFAULT_MODEL, WEIGHTS_NAME, DrafterKind, JsonConfig, MedusaError
 from .heads import check_fits
 from .kernels.blocks import Blocks, block_linear, blocks_or_none
 from .kernels.packed import packed_linear, packed_or_none
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 DRAFTERS = (DrafterKind.HYDRA.value, DrafterKind.EAGLE.value)  # the kinds this file builds
 
 

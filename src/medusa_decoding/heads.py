@@ -13,10 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import HeadsConfig, MedusaError
+from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, MedusaError
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 def check_fits(base_model, hidden_size: int, vocab_size: int, what: str) -> None:

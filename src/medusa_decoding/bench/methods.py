@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import proposers
-from ..config import DrafterKind, MedusaError
+from ..config import CONFIG_NAME, DrafterKind, MedusaError
 from ..kernels.attention import register_attention
 from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
@@ -127,7 +127,7 @@ def drafter_folders(cfg: BenchConfig) -> dict[str, str]:
     folders: dict[str, str] = {}
     for folder in cfg.drafters:
         path = Path(folder).expanduser()
-        if not (path / proposers.CONFIG_NAME).is_file():
+        if not (path / CONFIG_NAME).is_file():
             raise MedusaError(f"--drafter {folder}: no checkpoint there (config.json naming its drafter)")
         folders.setdefault(proposers.checkpoint_kind(path), str(path))
     return folders

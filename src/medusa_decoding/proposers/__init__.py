@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import DrafterKind, MedusaError, NgramConfig
+from ..config import CONFIG_NAME, DrafterKind, MedusaError, NgramConfig
 from ..tree import TreeBuffers
 
-CONFIG_NAME = "config.json"
 
 
 @dataclass

@@ -117,6 +117,6 @@ class NgramBranch(Proposer):
         self.copying = False
         if last is not None and nodes is not None and len(nodes) > 1:
             on_chain = int(nodes[1]) >= last.tree.num_nodes - last.chain
-            self.copying = on_chain and 0 < cfg.copy_run <= len(nodes) - 1
+            self.copying = on_chain and cfg.copies_after(len(nodes) - 1)
         if self.inner is not None:
             self.inner.observe(hidden, next_tokens, nodes)
