@@ -178,6 +178,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, stop_af
     del base
     data = trainer.load(features.train, cfg.max_conversations)
     trainer.prepare(heads, data, lm_head, embed, warm=cfg.init is not None)
+    if run.is_main and trainer.label_map is not None:
+        log.info("vocabulary losses on the %d most frequent label tokens", trainer.train_head.out_features)
 
     # 3. train: shuffled batches, checkpoints, a log line every cfg.log_every steps
     heads, step = optimize(run, trainer, heads, data, resume, stop_after)

@@ -12,7 +12,6 @@ its loss, its batches and its held-out scores. Medusa and hydra heads learn at p
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,6 @@ from safetensors.torch import load_file
 
 from .config import MedusaError, TrainConfig
 from .drafters import Shortlist
-
-log = logging.getLogger(__name__)
 
 IGNORE = -100  # a label that is not learned (not an assistant token, or outside the shortlist)
 
@@ -300,7 +297,6 @@ class Trainer:
             self.train_head, self.label_map = shortlist_head(lm_head, self.label_tokens(data), size, keep)
             if vocab is not None:  # the drafter proposes only these tokens at inference
                 vocab.copy_(torch.nonzero(self.label_map != IGNORE)[:, 0])
-            log.info("vocabulary losses on the %d most frequent label tokens", size)
 
     def per_step(self, data) -> int:
         """Items in one step of one process."""

@@ -18,11 +18,11 @@ from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
 from ..kernels import draft_linears, lean_linears
+from ..spec import DYNAMIC
 from ..training import PositionTrainer
 from . import Drafter, DrafterSpec, Proposal, Proposer, register
 
 TREE_NAME = "tree.json"  # a calibrated tree saved next to the heads (medusa calibrate)
-DYNAMIC = "dynamic"  # tree= this: re-selected every step from the heads' probabilities
 
 
 def fit_tree(tree, num_heads: int, budget: int | None) -> TreeBuffers | DynamicTree:
