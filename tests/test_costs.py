@@ -298,7 +298,9 @@ def test_the_compiled_ratio_waits_for_the_saved_graph(model, tmp_path):
 
     auto = CompiledBackend(model, graphs=tmp_path, mode="auto")
     assert costs.compiled_ratio(EagerBackend(model), auto, repeats=1) is None  # no graph yet: it ran eager
-    assert list((auto.folder / WANTED).glob("*.json"))  # and asked the background builder for it
+    assert list((auto.folder / WANTED).glob("*.json"))  # and listed it for `medusa compile`
+    before = auto.eager_steps
+    assert costs.compiled_ratio(EagerBackend(model), auto, repeats=1) is None and auto.eager_steps == before  # listed
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_in_hardware(monkeypatch):

@@ -549,6 +549,7 @@ def test_the_background_builder_builds_hydra_drafting_and_the_next_run_drafts_on
                                             device="cpu", compile="auto")
         backend = model.backend
         assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto"
+        backend.background = True  # a server's choice: a child process builds what is listed
         backend.builder_idle_s = 0.0  # the builder exits once the list is done
         ids = torch.tensor([prompts(1, seed=14)[0]])
         want = model.generate(ids, max_new_tokens=16, use_medusa=False, ignore_eos=True).token_ids

@@ -246,6 +246,7 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
         model = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
         backend = model.backend
         assert isinstance(backend, CompiledBackend) and backend.mode.value == "auto" and not backend.freeze
+        backend.background = True  # a server's choice: a child process builds what is listed
         backend.builder_idle_s = 0.0  # the builder exits once the list is done
         ids = torch.tensor([long_prompts(1, length=40)[0]])
         reference = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="off"), dtype="float32", device="cpu",
@@ -274,6 +275,71 @@ def test_compile_auto_runs_eager_while_a_background_process_builds_the_graphs(tm
         assert not exact.backend.compiled and not make_backend(exact.base, "auto").compiled
     finally:
         os.environ["MEDUSA_CACHE"] = before
+
+
+def test_compile_auto_starts_no_process_and_medusa_compile_builds_what_runs_listed(tmp_path_factory, tmp_path):
+    """A one-shot run in mode auto starts no builder: it runs a missing shape eager and lists it;
+    `medusa compile` (builder.compile_method) builds the listed shapes in the foreground, and the
+    next run loads them, with the same tokens."""
+    import os
+
+    from medusa_decoding.builder import compile_method
+    from medusa_decoding.verifiers.compiled import LOCK, WANTED
+
+    folder, _ = save_tiny(tmp_path_factory, max_positions=512, with_heads=False)
+    os.environ["MEDUSA_CACHE"], before = str(tmp_path), os.environ["MEDUSA_CACHE"]
+    try:
+        model = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
+        backend = model.backend
+        ids = torch.tensor([long_prompts(1, length=40)[0]])
+        want = model.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids
+        assert backend.builder is None and not (backend.folder / LOCK).exists()
+        assert len(list((backend.folder / WANTED).glob("*.json"))) == 1 and backend.stats()["eager_steps"] >= 11
+        built, loaded = compile_method(model, [ids], 12, progress=False)
+        assert built == 1 and loaded == 0 and not list((backend.folder / WANTED).glob("*.json"))
+        again = MedusaModel.from_pretrained(str(folder), DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
+        assert again.generate(ids, max_new_tokens=12, use_medusa=False, ignore_eos=True).token_ids == want
+        assert again.backend.stats()["eager_steps"] == 0 and again.backend.loaded == 1
+    finally:
+        os.environ["MEDUSA_CACHE"] = before
+
+
+def test_a_servers_builder_ends_when_the_server_is_killed(tmp_path_factory, tmp_path):
+    """The child that builds a server's graphs never outlives it, even when the server is killed
+    (SIGKILL: no atexit runs): the kernel's parent-death signal, or the builder's watch, ends it."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    folder, _ = save_tiny(tmp_path_factory, max_positions=512, with_heads=False)
+    script = f"""
+import os, signal, time, torch
+from medusa_decoding.engine import MedusaModel
+from medusa_decoding.spec import DecodeSpec
+m = MedusaModel.from_pretrained({str(folder)!r}, DecodeSpec.plain(compile="auto"), dtype="float32", device="cpu")
+m.backend.background = True
+m.generate(torch.arange(5, 45)[None], max_new_tokens=4, use_medusa=False, ignore_eos=True)
+print(m.backend.builder.pid, flush=True)
+time.sleep(8)  # the builder is at work (importing torch, loading the model)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = os.environ | {"MEDUSA_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == -9, run.stderr[-2000:]
+    pid = int(run.stdout.split()[-1])
+
+    def alive() -> bool:  # a zombie (Z) waits for init to reap it: it runs nothing
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.perf_counter() + 10
+    while alive() and time.perf_counter() < deadline:
+        time.sleep(0.1)
+    assert not alive()
 
 
 def test_a_step_reading_feature_layers_compiles_on_a_model_that_never_ran(tmp_path):

@@ -22,7 +22,7 @@ HeadsOpt = typer.Option(None, "--heads", help="Medusa heads, or a hydra/eagle dr
 DtypeOpt = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with bf16 in hardware: AVX-512 BF16 or AMX, but fp32 there too where the linears run on a GGUF's blocks; fp32 on other CPUs, where bf16 trees cost 4-5x more).")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto.")
 ExactOpt = typer.Option(None, "--exact/--no-exact", help="Exact mode: every decoding forward row-invariant, so bf16 speculative output equals bf16 plain output bit for bit, whatever the batch. Default: on where this machine's calibration measures it costs at most 10% of tokens/s (bf16 and fp16; fp32 output is exact either way).")
-CompileOpt = typer.Option(None, "--compile/--no-compile", help="torch.compile the verification step. Default (auto): in float32, the graphs this machine has saved are loaded (~2 s each) and the missing ones run eager while a background process (nice 19) builds them (~70 s each on a 2-core CPU) for this run and the next; --compile: build every graph in this process, waiting; --no-compile: eager.")
+CompileOpt = typer.Option(None, "--compile/--no-compile", help="torch.compile the verification step. Default (auto): in float32, the graphs this machine has saved are loaded (~1-2 s each) and the missing ones run eager (`medusa compile` builds them, ~30-70 s each on a 2-core CPU; a server builds them in a child process while idle); --compile: build every graph in this process, waiting; --no-compile: eager.")
 TreeOpt = typer.Option(None, "--tree", help="Medusa heads: a tree JSON file (list of paths), or 'dynamic'; default: the heads' calibrated tree, else the built-in one.")
 BudgetOpt = typer.Option(None, "--tree-budget", help="Nodes of a dynamic or drafted tree, root included (default: 16, or the hydra/eagle drafter's own).")
 NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of this many tokens copied from the context (prompt lookup), verified with the drafter's tree; 0: none.")
@@ -69,8 +69,7 @@ def compile_summary(backend) -> str:
     s = backend.stats()
     said = f", {s['compile_s']:.1f} s of it compiling or loading {s['graphs']} graphs"
     if s["eager_steps"]:
-        said += (f"; {s['eager_steps']} steps ran eager, their {s['missing']} graphs being built in the background "
-                 f"for the next run ({backend.folder / 'builder.log'})")
+        said += f"; {s['eager_steps']} steps ran eager for want of {s['missing']} graphs (medusa compile builds them)"
     return said
 
 
@@ -117,6 +116,39 @@ def generate(
         sys.stdout.flush()
     sys.stdout.write("\n")
     typer.echo(f"[{m.method().describe()}] {stream.stats.summary()}{compile_summary(m.backend)}", err=True)
+
+
+@app.command("compile")
+def compile_graphs(
+    model: str = ModelOpt,
+    heads: Optional[Path] = HeadsOpt,
+    tree: Optional[str] = TreeOpt,
+    tree_budget: Optional[int] = BudgetOpt,
+    ngram: int = NgramOpt,
+    max_new_tokens: int = typer.Option(GenerationConfig.max_new_tokens, "--max-new-tokens", "-n", help="Tokens per prompt of the run that lists the shapes (longer answers need wider graphs)."),
+    prompts: int = typer.Option(3, "--prompts", help="Built-in prompts decoded to list the shapes."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    calibration: str = CalibrationOpt,
+) -> None:
+    """Build the compiled step's graphs for this method on this machine, in the foreground: the shapes
+    a run of --prompts prompts needs, and those earlier runs listed (they ran them eager). Later
+    generate, bench and serve runs load them (compile mode auto)."""
+    from .bench.prompts import BUILTIN, load_suite
+    from .builder import compile_method
+
+    if not 1 <= prompts <= 39:
+        fail(f"--prompts must be between 1 and 39, got {prompts}")
+    GenerationConfig(max_new_tokens=max_new_tokens)
+    spec = decode_spec(heads, tree, False, ngram, tree_budget, None, None, calibration)
+    m = load_model(model, spec, dtype, device)
+    if not m.backend.compiled:
+        typer.echo(f"nothing to build: {model} runs eager here by default ({m.backend.stats()['backend']}: "
+                   "packed linears or exact mode, as fast as a saved graph)", err=True)
+        return
+    texts = [p.turns[0] for p in load_suite(BUILTIN)[:prompts]]
+    built, loaded = compile_method(m, texts, max_new_tokens)
+    typer.echo(f"built {built} graphs, {loaded} already saved, in {m.backend.folder}", err=True)
 
 
 @app.command("distill-data")
@@ -218,7 +250,7 @@ def serve(
     try:
         from .server import serve as run_server
     except ImportError as e:
-        fail(f"the server needs fastapi and uvicorn: pip install 'medusa-decoding[serve]' ({e})")
+        fail(f"the server needs fastapi, uvicorn and prometheus-client: pip install 'medusa-decoding[serve]' ({e})")
     spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
     m = load_model(model, spec, dtype, device)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)

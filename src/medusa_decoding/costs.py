@@ -187,12 +187,21 @@ def compiled_ratio(eager, compiled, layers: tuple[int, ...] | None = None, repea
     """t(1) of the compiled backend's one-node step over the eager backend's, the two timed
     alternately after the same prefix (a one-node step is cheap: more rounds than the curve's, as
     this one ratio reshapes the whole curve) -> that ratio, or None where the compiled backend has no
-    graph for the step yet (compile mode auto then asks its background builder for one and runs
-    the step eager). Nothing is committed."""
+    graph for the step yet (compile mode auto then lists it for `medusa compile` and runs the
+    step eager). Nothing is committed."""
     device = eager.device
     vocab = eager.model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (min(prefix, eager.context_length - 8),), device=device)
     tree = build_tree([]).to(device)
+    if not compiled.has_saved(1, 1):  # nothing to time: the step runs once, to list its shape, then no more
+        if not compiled.has_listed(1, 1):
+            verifier = TransformersVerifier(compiled, feature_layers=layers)
+            row = verifier.add(ids, 4)[0]
+            try:
+                verifier.verify([row], [torch.randint(0, vocab, (1,), device=device)], [tree])
+            finally:
+                verifier.release(row)
+        return None
     runs, times = [], ([], [])
     before = compiled.eager_steps
     try:

@@ -370,11 +370,18 @@ def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[s
     if not any(found.values()) or kernel() is None:
         return model, {"stock": len(linears)}
     found = {key: None if blocks is None else for_this_machine(blocks) for key, blocks in found.items()}
+    # `recover` rebuilt every value bit for bit: what `check` tests is the kernel's arithmetic, which
+    # depends on the shape, the kind and the bias, not the values: once per such layout
+    checked: dict[tuple, str | None] = {}
     for name, module in linears:
         blocks = found[id(module.weight)]
-        why = None if blocks is None else check(weights[id(module.weight)], blocks, module.bias)
-        if why is not None:
-            log.info("%s left stock: %s", name, why)
+        if blocks is None:
+            continue
+        layout = (blocks.shape, blocks.kind, blocks.amx, module.bias is not None)
+        if layout not in checked:
+            checked[layout] = check(weights[id(module.weight)], blocks, module.bias)
+        if checked[layout] is not None:
+            log.info("%s left stock: %s", name, checked[layout])
             found[id(module.weight)] = None
     def label(w: torch.Tensor) -> str:
         blocks = found[id(w)]

@@ -9,9 +9,13 @@ verifier to the next. A symbolic size made the frozen graph ~20x slower here, he
 shapes. The prefill stays eager. `warmup` compiles ahead of time.
 
 Two modes (config.CompileMode): `on` compiles (or loads) a shape the first time a step needs it,
-the run waiting; `auto` loads the shapes this machine has saved and runs the others eager, while a
-background process (`builder.builder_main(FOLDER)`, nice 19, the same threads) builds them from the list the run leaves in FOLDER/wanted/ and the run picks each graph
-up when its file appears: no run waits for a compiler, and the next one starts compiled.
+the run waiting; `auto` loads the shapes this machine has saved and runs the others eager, listing
+them in FOLDER/wanted/: no run waits for a compiler. `medusa compile` builds the listed shapes (and
+those a one-row run needs) in the foreground; a long-lived process (the server) sets `background`,
+and a child process of its own (`builder.builder_main(FOLDER)`, nice 19, the same threads) builds
+them while it is idle, the run picking each graph up when its file appears. That child ends with
+the process that started it (killed at its exit; it also watches its parent): no process outlives
+the command that started it.
 
 Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` never freezes):
 - cached (the default for fp32, and on GPUs): `torch.compile(...).aot_compile`, weights read as
@@ -186,13 +190,15 @@ class CompiledBackend(EagerBackend):
     compiled = True
 
     def __init__(self, model, freeze: bool | None = None, graphs: Path | None = None,
-                 mode: CompileMode | str = CompileMode.ON):
+                 mode: CompileMode | str = CompileMode.ON, background: bool = False, like: EagerBackend | None = None):
         """freeze: frozen graphs, compiled by every process (default: bf16/fp16 on CPU, in mode
         `on`); else saved ones. graphs: the folder of saved graphs (default $MEDUSA_CACHE/compiled).
-        mode: `on` (compile a missing shape, waiting) or `auto` (run it eager, a background
-        process builds it)."""
+        mode: `on` (compile a missing shape, waiting) or `auto` (run it eager and list it for
+        `medusa compile`). background: in mode auto, a child process of this one builds the listed
+        shapes while this one is idle (a server's choice; it ends when this process does). like: an
+        eager backend on the same model whose lean layers this one shares."""
         # its graphs hold the stock layers (freezing packs them itself), or in fp32 the GGUF's blocks
-        super().__init__(model, packed=blocks.on_blocks(model))
+        super().__init__(model, packed=blocks.on_blocks(model), like=like)
         if not self.slots:
             raise MedusaError("--compile needs a model with full attention in every layer (no sliding window)")
         self.mode = CompileMode.parse(mode)
@@ -203,7 +209,8 @@ class CompiledBackend(EagerBackend):
                 raise MedusaError("frozen graphs cannot be saved: compile mode auto builds saved ones")
             freeze = False
         self.freeze = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)) if freeze is None else freeze
-        self._frozen = torch.compile(_forward, dynamic=False)
+        # torch.compile imports inductor (~1.5 s): only where frozen graphs are compiled here
+        self._frozen = torch.compile(_forward, dynamic=False) if self.freeze else None
         self.shapes: dict[tuple, object] = {}  # shape -> its graph (compiled or loaded so far)
         self.loaded = 0  # graphs loaded from disk rather than compiled
         self.folder = graph_folder(model, graphs)
@@ -211,11 +218,12 @@ class CompiledBackend(EagerBackend):
         # mode auto: shapes without a graph yet -> when their file was last looked for
         self.missing: dict[tuple, float] = {}
         self.eager_steps = 0  # steps run eager for want of a graph
+        self.background = background
         self.builder_idle_s = BUILDER_IDLE_S
         self.builder: subprocess.Popen | None = None  # the background builder this backend started
         self._held: int | None = None  # the builder this process keeps paused while it decodes
         self._looked = -RECHECK_S  # when a step last looked for a builder to pause
-        atexit.register(self.resume_builder)  # a builder paused here runs on after this process
+        atexit.register(self.stop_builder)  # no builder outlives this process
         self._active = 0  # caches handed out and not released: decoding is going on
         self._drafting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> its DraftGraphs
 
@@ -267,6 +275,21 @@ class CompiledBackend(EagerBackend):
             signal_builder(self._held, signal.SIGCONT)
             self._held = None
 
+    def stop_builder(self, wait_s: float = 5.0) -> None:
+        """End the builder this backend started, with its compile workers (its process group): at
+        this process's exit, or when the owner closes. A graph half-written is never renamed into
+        place (build_graph), so a stopped build leaves nothing to load."""
+        self.resume_builder()  # a stopped process cannot act on SIGTERM
+        builder, self.builder = self.builder, None
+        if builder is None or builder.poll() is not None:
+            return
+        signal_builder(builder.pid, signal.SIGTERM)
+        try:
+            builder.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            signal_builder(builder.pid, signal.SIGKILL)
+            builder.wait()
+
     def step(self, tokens, positions, mask, cache, layers: tuple[int, ...] | None = None):
         args = (self.model, tokens, positions, mask, cache, layers)
         shape = (*tokens.shape, mask.shape[-1], cache.capacity, cache.num_rows, layers)
@@ -312,10 +335,15 @@ class CompiledBackend(EagerBackend):
         return graph
 
     def _want(self, name: str, record: dict) -> None:
-        """Ask the background builder for graph `name` (starting one if none is at work)."""
+        """List graph `name` in FOLDER/wanted/ (for `medusa compile`, or for this backend's own
+        builder, started here if `background` and none is at work)."""
         wanted = self.folder / WANTED
         wanted.mkdir(parents=True, exist_ok=True)
         (wanted / (name + ".json")).write_text(json.dumps(record) + "\n")
+        if not self.background:
+            if len(self.missing) == 1:
+                log.info("graphs missing here run eager; `medusa compile` builds them (listed in %s)", wanted)
+            return
         source = self.model.config.name_or_path
         if not source or not Path(source).is_dir():
             if len(self.missing) == 1:
@@ -325,7 +353,7 @@ class CompiledBackend(EagerBackend):
             return
         spec = {"model": source, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "attention": self.model.config._attn_implementation, "threads": torch.get_num_threads(),
-                "idle_s": self.builder_idle_s}
+                "idle_s": self.builder_idle_s, "parent": os.getpid()}
         (self.folder / SPEC).write_text(json.dumps(spec, indent=1) + "\n")
         env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"])}
         with (self.folder / BUILD_LOG).open("a") as out:
@@ -333,8 +361,16 @@ class CompiledBackend(EagerBackend):
             self.builder = subprocess.Popen([sys.executable, "-c", main, str(self.folder)], stdin=subprocess.DEVNULL,
                                             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._looked = -RECHECK_S  # paused from the next step on
-        log.info("building the compiled step's graphs in the background while this process is idle, and after "
-                 "it exits (pid %d, log %s)", self.builder.pid, self.folder / BUILD_LOG)
+        log.info("building the compiled step's graphs in a child process while this one is idle (pid %d, log %s)",
+                 self.builder.pid, self.folder / BUILD_LOG)
+
+    def has_saved(self, rows: int, nodes: int) -> bool:
+        """Has this machine saved a graph of a step of `rows` x `nodes` (any width)?"""
+        return any(self.folder.glob(f"{rows}-{nodes}-*.pt2"))
+
+    def has_listed(self, rows: int, nodes: int) -> bool:
+        """Is a step of `rows` x `nodes` (any width) listed for `medusa compile`?"""
+        return any((self.folder / WANTED).glob(f"{rows}-{nodes}-*.json"))
 
     def _load(self, path: Path):
         """A saved graph, or None where it cannot be loaded (another torch build, a truncated file)."""

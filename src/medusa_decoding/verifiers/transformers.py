@@ -64,16 +64,20 @@ class EagerBackend:
 
     compiled = False
 
-    def __init__(self, model, slots: bool | None = None, packed: bool | None = None):
+    def __init__(self, model, slots: bool | None = None, packed: bool | None = None, like: EagerBackend | None = None):
         """slots: run on the slot cache (default: where every layer is full attention); False:
         transformers' DynamicCache, the reference path. packed: run the linear layers on lean weights
         (lean_linears: prepacked in bf16/fp16, GGUF blocks in fp32; default: on the slot cache, where
         they are supported and each row of a product is checked to be the one-row product); `model`
-        itself is left stock."""
+        itself is left stock. like: a packed backend on the same model whose lean layers this one
+        shares (making them takes seconds)."""
+        self.base = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
-        self.model = lean_linears(model) if (self.slots if packed is None else packed) else model
+        lean = self.slots if packed is None else packed
+        shared = like is not None and like.base is model and like.packed and lean
+        self.model = like.model if shared else lean_linears(model) if lean else model
         self.packed = self.model is not model
         self.linears = "stock" if not self.packed else "packed" if self.dtype != torch.float32 else "blocks"
         text = model.config.get_text_config()
