@@ -148,3 +148,55 @@ def test_sigterm_during_streams_ends_every_stream_and_exits(tmp_path_factory):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+NASTY = ["\ud800", "a\udfffb", "\x00", "\u202e\u0301", "\U0001f600" * 3, "\ufffe\uffff", ""]
+STRING_FIELDS = ["prompt", "content", "system", "part", "stop", "stop_list", "user", "model", "logit_bias_key",
+                 "response_format_type", "tool_choice", "service_tier", "safety_identifier", "field_name", "role"]
+
+
+def test_unicode_in_every_string_field_never_a_5xx(servers):
+    """Arbitrary Unicode (control characters, NUL, astral planes, lone surrogates sent as JSON
+    escapes) in each string field of a valid chat or completions body: a 2xx or a 4xx, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    server = servers[0]
+    name = server.app.state.model_name
+    texts = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()),
+                    max_size=24)
+    seen = {}
+
+    def body(field: str, value: str, chat: bool) -> dict:
+        b = ({"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} if chat
+             else {"model": name, "prompt": "hi", "max_tokens": 4})
+        set_ = {"prompt": lambda: b.update(prompt=value) if not chat else b["messages"][0].update(content=value),
+                "content": lambda: b["messages"][0].update(content=value) if chat else b.update(prompt=[value]),
+                "system": lambda: b.update(messages=[{"role": "system", "content": value}] + b.get("messages", [])),
+                "part": lambda: b["messages"][0].update(content=[{"type": "text", "text": value}]) if chat else None,
+                "stop": lambda: b.update(stop=value), "stop_list": lambda: b.update(stop=[value, "x"]),
+                "user": lambda: b.update(user=value), "model": lambda: b.update(model=value),
+                "logit_bias_key": lambda: b.update(logit_bias={value: 1.0}),
+                "response_format_type": lambda: b.update(response_format={"type": value}),
+                "tool_choice": lambda: b.update(tool_choice=value), "service_tier": lambda: b.update(service_tier=value),
+                "safety_identifier": lambda: b.update(safety_identifier=value),
+                "field_name": lambda: b.update({value: 1}),
+                "role": lambda: b["messages"][0].update(role=value) if chat else None}
+        set_[field]()
+        return b
+
+    def fuzz_one(field, value, chat):
+        raw = json.dumps(body(field, value, chat)).encode()  # ensure_ascii: a lone surrogate goes as \udXXX
+        r = httpx.post(f"{server.url}/v1/{'chat/completions' if chat else 'completions'}", content=raw,
+                       headers={"content-type": "application/json"}, timeout=20)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (field, value, r.text[:300])
+        if r.status_code >= 400:
+            assert isinstance(r.json()["error"]["message"], str)
+
+    for field in STRING_FIELDS:  # the nastiest strings in every field, then hypothesis' own
+        for value in NASTY:
+            for chat in (False, True):
+                fuzz_one(field, value, chat)
+    settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+             derandomize=True)(given(st.sampled_from(STRING_FIELDS), texts, st.booleans())(fuzz_one))()
+    assert seen.get(200) and seen.get(400)

@@ -373,3 +373,147 @@ def test_every_method_is_served_and_answers_as_alone():
             assert server.client().models.list().data[0].id == NAME
         finally:
             server.stop()
+
+
+# OpenAI's documented request fields (chat completions and completions, 2026), each with a value
+# that asks for something: HONOURED ones change the answer as documented, the others get a 400
+# naming the field. Written from OpenAI's API reference, not from the server's code.
+CHAT_FIELDS = {
+    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 0.5, "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "logit_bias": {"97": 2.0}, "logprobs": True,
+    "max_completion_tokens": 3, "max_tokens": 3, "metadata": {"k": "v"}, "modalities": ["text", "audio"], "n": 2,
+    "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"}, "presence_penalty": 0.5,
+    "prompt_cache_key": "k", "reasoning_effort": "low", "response_format": {"type": "json_object"},
+    "safety_identifier": "u1", "seed": 3, "service_tier": "flex", "stop": ["zz"], "store": True, "stream": True,
+    "stream_options": {"include_usage": True}, "temperature": 0.5,
+    "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "top_logprobs": 2, "top_p": 0.5, "user": "u1", "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"},
+}
+COMPLETION_FIELDS = {
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"97": 2.0}, "logprobs": 2, "max_tokens": 3,
+    "n": 2, "presence_penalty": 0.5, "seed": 3, "stop": ["zz"], "stream": True,
+    "stream_options": {"include_usage": True}, "suffix": "end", "temperature": 0.5, "top_p": 0.5, "user": "u1",
+}
+HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
+            "safety_identifier", "seed", "stop", "stream", "temperature", "top_p", "user"}
+NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}  # fields that need another
+
+
+@pytest.mark.parametrize("path, fields", [("chat/completions", CHAT_FIELDS), ("completions", COMPLETION_FIELDS)])
+def test_every_openai_request_field_is_honoured_or_refused_by_name(server, path, fields):
+    """No field is silently ignored: each of OpenAI's fields is honoured (200) or answered 400 with
+    its name as `param`; so is a field OpenAI does not have, and one inside a message."""
+    base = ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            if path == "chat/completions" else {"model": NAME, "prompt": "hi", "max_tokens": 3})
+    for name, value in fields.items():
+        r = httpx.post(f"{server.url}/v1/{path}", json={**base, **NEEDS.get(name, {}), name: value})
+        if name in HONOURED or name in NEEDS:
+            assert r.status_code == 200, (name, r.text)
+        else:
+            assert error(r, 400, name)["message"].startswith(name) or name == "n", name
+    error(httpx.post(f"{server.url}/v1/{path}", json={**base, "guided_json": {"type": "object"}}), 400, "guided_json",
+          "unsupported_field")
+    if path == "chat/completions":
+        message = {"role": "user", "content": "hi", "name": "ann"}
+        error(httpx.post(f"{server.url}/v1/{path}", json={**base, "messages": [message]}), 400, "messages.0.name")
+        calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+        error(httpx.post(f"{server.url}/v1/{path}", json={**base, "messages": [calls]}), 400, "messages.0.tool_calls")
+        ok = httpx.post(f"{server.url}/v1/{path}", json={**base, "response_format": {"type": "text"}, "tools": [],
+                                                          "tool_choice": "none", "store": False, "n": 1})
+        assert ok.status_code == 200, ok.text
+        error(httpx.post(f"{server.url}/v1/{path}", json={**base, "top_logprobs": 2}), 400, "top_logprobs")
+    error(httpx.post(f"{server.url}/v1/{path}", json={**base, "stream_options": {"include_usage": True}}), 400,
+          "stream_options")
+
+
+def test_penalties_and_logit_bias_give_generates_tokens(server, medusa):
+    """frequency/presence/repetition penalties and logit_bias reach the engine: the answer equals
+    medusa.generate with the same settings (which equals plain decoding, tests/test_engine.py)."""
+    client = server.client()
+    settings = dict(frequency_penalty=1.2, presence_penalty=0.4, logit_bias={"101": 4.0})
+    want = medusa.generate("the the the", chat=False, max_new_tokens=24, frequency_penalty=1.2, presence_penalty=0.4,
+                           logit_bias={101: 4.0})
+    assert want.text != medusa.generate("the the the", chat=False, max_new_tokens=24).text
+    out = client.completions.create(model=NAME, prompt="the the the", max_tokens=24, temperature=0, **settings)
+    assert out.choices[0].text == want.text
+    rep = medusa.generate("the the the", chat=False, max_new_tokens=24, repetition_penalty=1.5)
+    out = client.completions.create(model=NAME, prompt="the the the", max_tokens=24, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5})
+    assert out.choices[0].text == rep.text
+    error(httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "logit_bias": {"x": 1}}),
+          400, "logit_bias")
+    error(httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "frequency_penalty": 3}),
+          400, "frequency_penalty")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_models_in_chat_and_completions(server, medusa, stream):
+    """logprobs / top_logprobs: each token's log-probability from the verification pass, equal to
+    plain decoding's (engine) to 1e-4, in OpenAI's chat and completions forms; the tokens' texts
+    join up to the answer."""
+    client = server.client()
+    prompt = "The quick brown fox"
+    want = medusa.generate(prompt, chat=False, max_new_tokens=10, use_medusa=False, logprobs=2)
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, stream=stream)
+    chunks = list(out) if stream else [out]
+    blocks = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for b in blocks for t in b.tokens]
+    values = [v for b in blocks for v in b.token_logprobs]
+    offsets = [v for b in blocks for v in b.text_offset]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "".join(tokens) == text == want.text and len(values) == 10
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    assert all(abs(v - w[0]) < 1e-4 for v, w in zip(values, want.logprobs))
+    assert all(len(b) == 2 for blk in blocks for b in blk.top_logprobs)
+    messages = [{"role": "user", "content": prompt}]
+    want = medusa.generate(messages, max_new_tokens=8, use_medusa=False, logprobs=3)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3, stream=stream)
+    chunks = list(out) if stream else [out]
+    content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(content) == 8 and all(abs(t.logprob - w[0]) < 1e-4 for t, w in zip(content, want.logprobs))
+    assert all(abs(a.logprob - v) < 1e-4 for t, w in zip(content, want.logprobs) for a, (_, v) in zip(t.top_logprobs, w[1]))
+    assert [len(t.top_logprobs) for t in content] == [3] * 8
+    assert all(bytes(t.bytes).decode() == t.token for t in content)
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_metrics_count_what_the_answers_say(medusa):
+    """GET /metrics parses as Prometheus text, and its counters add up to the answers' own
+    figures: completion and prompt tokens, row steps, accepted candidates (streamed provenance)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = Server(create_app(medusa, max_batch_size=4, adaptive=False))
+    try:
+        client = s.client()
+        completion = prompt_tokens = steps = accepted = 0
+        for i, prompt in enumerate(PROMPTS):
+            chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6 + 4 * i, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            completion += chunks[-1].usage.completion_tokens
+            prompt_tokens += chunks[-1].usage.prompt_tokens
+            extras = [c.model_extra.get("medusa") or {} for c in chunks]
+            steps += next(e["steps"] for e in extras if "steps" in e)
+            accepted += sum(t["depth"] > 0 for e in extras for t in e.get("tokens", []))
+        httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})
+        r = httpx.get(f"{s.url}/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for family in text_string_to_metric_families(r.text) for x in family.samples}
+        value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+        assert value("medusa:generation_tokens_total") == completion
+        assert value("medusa:prompt_tokens_total") == prompt_tokens
+        assert value("medusa:row_steps_total") == steps
+        assert value("medusa:spec_decode_num_accepted_tokens_total") == accepted
+        per_pos = sum(v for (name, _), v in samples.items() if name == "medusa:spec_decode_num_accepted_tokens_per_pos_total")
+        assert per_pos == accepted and value("medusa:spec_decode_num_draft_tokens_total") >= accepted
+        drafts = value("medusa:spec_decode_num_drafts_total")
+        assert abs(value("medusa:mean_accepted_length") - (1 + accepted / drafts)) < 1e-9
+        assert value("medusa:requests_total", route="/v1/completions", status="200") == len(PROMPTS)
+        assert value("medusa:requests_total", route="/v1/completions", status="400") == 1
+        assert value("medusa:num_requests_running") == 0 and value("medusa:num_requests_waiting") == 0
+        assert value("medusa:step_seconds_count") == value("medusa:steps_total") > 0
+    finally:
+        s.stop()

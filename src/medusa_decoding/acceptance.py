@@ -78,6 +78,71 @@ def _longest_path(ok: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
     return paths[best, :length]
 
 
+@dataclass
+class History:
+    """What a row's penalties read: its output so far and its prompt's tokens."""
+
+    counts: torch.Tensor  # [V] float32: how often each token was emitted (the root included)
+    prompt: torch.Tensor  # [V] bool: tokens of the prompt (the repetition penalty reads them too)
+
+    @classmethod
+    def start(cls, prompt_ids: torch.Tensor, vocab: int) -> History:
+        """prompt_ids [T] long -> an empty output history."""
+        prompt = torch.zeros(vocab, dtype=torch.bool, device=prompt_ids.device)
+        prompt[prompt_ids] = True
+        return cls(torch.zeros(vocab, dtype=torch.float32, device=prompt_ids.device), prompt)
+
+    def emit(self, tokens: torch.Tensor) -> None:
+        """tokens [K] long, emitted."""
+        self.counts.index_add_(0, tokens, torch.ones(tokens.shape, dtype=self.counts.dtype, device=tokens.device))
+
+
+def penalize(logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers, history: History,
+             sampling: SamplingConfig) -> torch.Tensor:
+    """logits [N, V], tokens [N] long -> [N, V] float32: the logits after `sampling`'s penalties and
+    bias, each node's with its own history: the row's output so far plus the candidates on its
+    path from the root (itself included; the root was emitted already). Plain decoding is the
+    one-node case, so a step's acceptance reads at every node the logits plain decoding would.
+
+    In order (as vLLM): the repetition penalty (a logit of a token in the prompt or the history
+    divided by it where positive, multiplied where negative), then frequency and presence
+    penalties (minus f * count, minus p where count > 0), then logit_bias added."""
+    n, vocab = logits.shape
+    counts = history.counts.expand(n, vocab).clone()  # [N, V]
+    if n > 1:  # + the path's candidates: node j (j >= 1) counts for node i when j is i or its ancestor
+        i, j = tree.mask[:, 1:].to(logits.device).nonzero(as_tuple=True)  # [K] each
+        counts.index_put_((i, tokens[j + 1]), torch.ones(i.shape, dtype=counts.dtype, device=logits.device),
+                          accumulate=True)
+    out = logits.float()
+    seen = counts > 0  # [N, V]
+    if sampling.repetition_penalty != 1:
+        penalty = sampling.repetition_penalty
+        out = torch.where(seen | history.prompt, torch.where(out > 0, out / penalty, out * penalty), out)
+    if sampling.frequency_penalty:
+        out = out - sampling.frequency_penalty * counts
+    if sampling.presence_penalty:
+        out = out - sampling.presence_penalty * seen.float()
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t in sampling.logit_bias if 0 <= t < vocab], dtype=torch.long, device=out.device)
+        bias = torch.tensor([sampling.logit_bias[t] for t in ids.tolist()], dtype=out.dtype, device=out.device)
+        out[:, ids] += bias
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [A, V] (the rows each token was drawn from), chosen [A] long -> per token its
+    log-probability under the model's own distribution (log-softmax of the raw logits: no
+    temperature, filter or penalty, as vLLM's default) and the `top` most likely (id, logprob)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
+    own = lp.gather(-1, chosen[:, None])[:, 0]  # [A]
+    if top:
+        top_lp, top_ids = lp.topk(top, dim=-1)  # [A, top] each
+        values, ids = torch.cat([own[:, None], top_lp], -1).tolist(), top_ids.tolist()
+    else:
+        values, ids = own[:, None].tolist(), [[] for _ in range(own.shape[0])]
+    return [(v[0], list(zip(i, v[1:]))) for v, i in zip(values, ids)]
+
+
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """logits [N, V] -> p [N, V] float32: the base model's sampling distribution at every node.
 

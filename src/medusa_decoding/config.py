@@ -135,8 +135,24 @@ class SamplingConfig:
     acceptance: Acceptance | None = None  # None: greedy at temperature 0, rejection otherwise
     typical_epsilon: float = 0.09  # typical acceptance: hard threshold on p(x)
     typical_alpha: float = 0.3  # typical acceptance: entropy-scaled threshold
+    # Penalties (OpenAI's and vLLM's meanings), applied to the logits at every tree node with that
+    # node's own history (acceptance.penalize), so speculation keeps plain decoding's output:
+    frequency_penalty: float = 0.0  # minus this times a token's count in the output so far, in [-2, 2]
+    presence_penalty: float = 0.0  # minus this for a token already in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0: a token in the prompt or output has its logit divided by it (times it when < 0)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise MedusaError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise MedusaError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            bad = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
+            if bad is not None:
+                raise MedusaError(f"logit_bias values must be between -100 and 100, got {bad}")
         if self.temperature < 0:
             raise MedusaError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -151,10 +167,19 @@ class SamplingConfig:
                 raise MedusaError(f"unknown acceptance {self.acceptance!r}; use one of {names}") from None
 
     @property
+    def penalized(self) -> bool:
+        """Does any penalty or bias change the logits?"""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+    @property
     def rule(self) -> Acceptance:
         if self.acceptance is not None:
             return self.acceptance
         return Acceptance.GREEDY if self.temperature == 0 else Acceptance.REJECTION
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
 @dataclass
@@ -165,8 +190,13 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)  # stop strings, never emitted
     eos_token_ids: list[int] | None = None  # None: the model's own EOS ids
     ignore_eos: bool = False  # benchmarks may want a fixed length
+    # the base model's log-probability of each emitted token, with this many most likely
+    # alternatives (0: the token's own alone; None: none), from the verification pass
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise MedusaError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.max_new_tokens < 1:
             raise MedusaError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if isinstance(self.stop, str):

@@ -36,6 +36,8 @@ class GenerationOutput:
     token_ids: list[int]  # the new tokens, EOS included when generation ended on it
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) or "length" (max_new_tokens or context)
+    # per token of token_ids where asked (logprobs=K): its log-probability and the K likeliest (id, logprob)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class TextStream:
@@ -47,6 +49,12 @@ class TextStream:
         self._text = TextDecoder(tokenizer, stop)
         self.stats = stats
         self.finish_reason = "length"  # "stop" when an EOS token or a stop string ended it
+        self._logprobs: list | None = None  # per token pushed, where the request asked
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Per kept token (token_ids), its log-probability and alternatives; None where not asked."""
+        return None if self._logprobs is None else self._logprobs[: len(self.token_ids)]
 
     @property
     def text(self) -> str:
@@ -59,6 +67,8 @@ class TextStream:
     def __iter__(self) -> Iterator[str]:
         text = self._text
         for out in self._tokens:
+            if out.logprobs is not None:
+                self._logprobs = (self._logprobs or []) + out.logprobs
             delta = text.push(out.tokens)
             if text.stopped or out.finish_reason == "stop":
                 self.finish_reason = "stop"
@@ -71,12 +81,13 @@ class TextStream:
                 break
 
 
-def make_backend(base, compile: bool | CompileMode | str = False) -> EagerBackend:
-    """How the base runs: eager, or compiled (mode on; mode auto where compiles_by_default)."""
+def make_backend(base, compile: bool | CompileMode | str = False, like: EagerBackend | None = None) -> EagerBackend:
+    """How the base runs: eager, or compiled (mode on; mode auto where compiles_by_default). like: a
+    backend on the same base whose lean layers the new one shares."""
     mode = CompileMode.parse(compile)
     if mode is CompileMode.AUTO and not compiles_by_default(base):
         mode = CompileMode.OFF
-    return EagerBackend(base) if mode is CompileMode.OFF else CompiledBackend(base, mode=mode)
+    return EagerBackend(base, like=like) if mode is CompileMode.OFF else CompiledBackend(base, mode=mode, like=like)
 
 
 class MedusaModel:
@@ -211,7 +222,7 @@ class MedusaModel:
         if backend is None:
             backend = make_backend(base, CompileMode.OFF if spec.compile is CompileMode.AUTO else spec.compile)
             if spec.compile is CompileMode.AUTO and not spec.exact and compiles_by_default(base):
-                compiled = auto = make_backend(base, CompileMode.AUTO)
+                compiled = auto = make_backend(base, CompileMode.AUTO, like=backend)
         model = cls(base, tokenizer, heads=heads, tree=spec.tree, name=name, ngram=spec.ngram,
                     tree_budget=spec.tree_budget, backend=backend, datastore=store)
         model.spec = spec
@@ -254,12 +265,16 @@ class MedusaModel:
         stop: Sequence[str] = (),
         use_medusa: bool = True,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
         **sampling,
     ) -> TextStream:
         """Generate and stream text deltas. `sampling`: SamplingConfig fields (temperature, top_p,
-        top_k, seed, acceptance, ...). A tensor prompt is taken as input_ids [1, T].
-        use_medusa=False: plain decoding (no drafter, no n-gram branch), the baseline."""
-        generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos)
+        top_k, seed, acceptance, frequency/presence/repetition penalties, logit_bias, ...). A tensor
+        prompt is taken as input_ids [1, T]. use_medusa=False: plain decoding (no drafter, no
+        n-gram branch), the baseline. logprobs=K: each token's log-probability and its K likeliest
+        alternatives (the stream's `.logprobs`)."""
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
+                                      logprobs=logprobs)
         request = Request(prompt if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat), generation,
                           SamplingConfig(**sampling), stats=GenerationStats())
         return TextStream(self.tokenizer, self._outputs(request, use_medusa), request.stats, generation.stop)
@@ -281,4 +296,4 @@ class MedusaModel:
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, **kwargs)
         for _ in stream:
             pass
-        return GenerationOutput(stream.text, stream.token_ids, stream.stats, stream.finish_reason)
+        return GenerationOutput(stream.text, stream.token_ids, stream.stats, stream.finish_reason, stream.logprobs)

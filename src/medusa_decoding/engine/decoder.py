@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..acceptance import accept
+from ..acceptance import History, accept, penalize, token_logprobs
 from ..config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from ..datastore import Datastore
 from ..proposers import Drafter, Proposer
@@ -127,6 +127,10 @@ class RowOutput:
     step: int = 0  # the step that emitted them (0: the prefill)
     depths: list[int] = field(default_factory=list)  # per token: its depth in the tree (0: prefill or bonus)
     sources: list[Source] = field(default_factory=list)  # per token
+    # per token, where the request asked (GenerationConfig.logprobs): its log-probability under the
+    # base model and the most likely (id, logprob) alternatives (acceptance.token_logprobs)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    drafted: int = 0  # candidates this step verified for the row (its tree's nodes below the root)
 
 
 @dataclass
@@ -193,6 +197,7 @@ class _Seq:
     stats: GenerationStats
     eos: set[int]
     root: torch.Tensor  # [] long: the last emitted token, not yet in the cache
+    history: History | None = None  # what its penalties read (None: the request has none)
 
 
 class Decoder:
@@ -251,21 +256,29 @@ class Decoder:
         generator = None
         if request.sampling.seed is not None:
             generator = torch.Generator(device=logits.device).manual_seed(request.sampling.seed)
-        root = accept(ids[-1:], logits[None], self._root(logits.device), request.sampling, generator).bonus
+        history = History.start(ids, logits.shape[-1]) if request.sampling.penalized else None
+        scored = logits[None] if history is None else penalize(logits[None], ids[-1:], self._root(logits.device),
+                                                               history, request.sampling)  # [1, V]
+        root = accept(ids[-1:], scored, self._root(logits.device), request.sampling, generator).bonus
+        if history is not None:
+            history.emit(root.reshape(1))
+        logprobs = None
+        if gen.logprobs is not None:
+            logprobs = token_logprobs(logits[None], root.reshape(1), gen.logprobs)
         proposer.start(ids)
         proposer.observe(hidden, torch.cat([ids[1:], root.reshape(1)]), None)
         stats = request.stats if request.stats is not None else GenerationStats()
         stats.prompt_tokens, stats.new_tokens = ids.numel(), 1
         stats.prefill_s = time.perf_counter() - t0
         eos = self.eos if gen.eos_token_ids is None else {int(e) for e in gen.eos_token_ids}
-        seq = _Seq(request, proposer, row, generator, stats, eos, root)
+        seq = _Seq(request, proposer, row, generator, stats, eos, root, history)
         token = int(root)
         reason = self._finish_reason(seq, [token])
         if reason is None:
             self.seqs.append(seq)
         else:
             self.verifier.release(row)
-        return RowOutput(request.id, [token], reason is not None, reason, stats, 0, [0], [Source.PREFILL])
+        return RowOutput(request.id, [token], reason is not None, reason, stats, 0, [0], [Source.PREFILL], logprobs)
 
     @torch.inference_mode()
     def step(self) -> list[RowOutput]:
@@ -284,21 +297,28 @@ class Decoder:
         trees = [p.tree if p is not None else root_only for p in proposals]
         # 2. verify: one forward over every node of every row, each at position length + depth
         logits, hidden = self.verifier.verify(rows, tokens, trees)  # [B, N, V], [B, N, D]
-        # 3. accept: the longest path each row's base model agrees with, plus the bonus token
-        results = [accept(t, logits[b, : t.numel()], tree, s.request.sampling, s.generator)
+        # 3. accept: the longest path each row's base model agrees with (each node's logits
+        # penalized with its own history where the row asks), plus the bonus token
+        results = [accept(t, self._scored(s, logits[b, : t.numel()], t, tree), tree, s.request.sampling, s.generator)
                    for b, (s, t, tree) in enumerate(zip(seqs, tokens, trees))]
         # 4. commit: keep each row's accepted path in the cache; the bonus is its next root
         self.verifier.commit(rows, [r.nodes for r in results])
         emitted = [torch.cat([t[r.nodes[1:]], r.bonus.reshape(1)]) for t, r in zip(tokens, results)]  # [A_b] each
         for b, (s, r) in enumerate(zip(seqs, results)):
             s.proposer.observe(hidden[b, r.nodes], emitted[b], r.nodes)
+            if s.history is not None:
+                s.history.emit(emitted[b])
+        # each emitted token's log-probability, from the row its node's logits gave (raw: unpenalized)
+        logprobs = [token_logprobs(logits[b, r.nodes], emitted[b], s.request.generation.logprobs)
+                    if s.request.generation.logprobs is not None else None
+                    for b, (s, r) in enumerate(zip(seqs, results))]
         flat = torch.cat(emitted).tolist()  # one host read: every row's accepted candidates and bonus
         step_s = time.perf_counter() - t0
         if all(s.request.speculative for s in seqs):  # a plain row would skew what the policy measures
             self.policy.observe(len(seqs), budget, len(flat), step_s)
 
         outputs, keep = [], []
-        for s, p, r, e in zip(seqs, proposals, results, emitted):
+        for s, p, r, e, lp in zip(seqs, proposals, results, emitted, logprobs):
             new, flat = flat[: e.numel()], flat[e.numel():]
             s.root = r.bonus
             st = s.stats
@@ -318,7 +338,8 @@ class Decoder:
             st.decode_s += step_s / len(seqs)  # a step's time, shared by its rows
             reason = self._finish_reason(s, new)
             outputs.append(RowOutput(s.request.id, new, reason is not None, reason, st, st.steps,
-                                     depths[: len(new)], sources[: len(new)]))
+                                     depths[: len(new)], sources[: len(new)], lp[: len(new)] if lp is not None else None,
+                                     p.tokens.numel() - 1 if p is not None else 0))
             if reason is None:
                 keep.append(s)
             else:
@@ -351,6 +372,13 @@ class Decoder:
             for out in self.step():
                 tokens[out.id] += out.tokens
         return tokens
+
+    @staticmethod
+    def _scored(seq: _Seq, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
+        """A row's logits [N, V] as its acceptance reads them: penalized where it asks."""
+        if seq.history is None:
+            return logits
+        return penalize(logits, tokens, tree, seq.history, seq.request.sampling)
 
     def _root(self, device) -> TreeBuffers:
         if self._root_only is None:

@@ -29,15 +29,16 @@ from importlib import resources
 import torch
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..kernels.attention import EXACT_ATTENTION_NAME
-from ..config import GenerationConfig, MedusaError, SamplingConfig
+from ..config import MAX_LOGPROBS, CompileMode, GenerationConfig, MedusaError, SamplingConfig
 from ..engine import GenerationStats, MedusaModel, Request
 from ..text import TextDecoder
-from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, FIELDS, APIError, ChatBody, CompletionBody, _Body, content_text,
-                       shutting_down)
+from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, COMPLETION_MAX_LOGPROBS, FIELDS, APIError, ChatBody,
+                       CompletionBody, _Body, check_fields, check_unicode, content_text, shutting_down)
+from .metrics import Metrics
 from .scheduler import Job, Scheduler, deltas, watch_disconnect
 
 log = logging.getLogger("medusa_decoding.server")
@@ -52,6 +53,7 @@ class _Prepared:
     prompt_tokens: int
     stream: bool
     include_usage: bool
+    logprobs: bool  # the answer carries each token's log-probability
 
 
 class Service:
@@ -65,6 +67,8 @@ class Service:
         policy = self.method.adaptive() if adaptive else None
         decoder = model.decoder(max_batch_size, use_medusa, policy)
         self.scheduler = Scheduler(decoder)
+        self.metrics = Metrics(queued=lambda: self.scheduler.queue.qsize(), active=lambda: self.scheduler.active)
+        self.scheduler.metrics = self.metrics
         self.ctx, self.max_batch_size = decoder.ctx, max_batch_size
         log.info("serving %s: %s, up to %d sequences at once%s", self.name, self.method.describe(),
                  decoder.max_batch_size, ", speculation adapted to load" if policy else "")
@@ -82,9 +86,13 @@ class Service:
                 "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
 
     def check_model(self, body: _Body) -> None:
+        """The body's strings are valid Unicode, the model exists, and every field is one this server
+        honours (protocol.check_fields)."""
+        check_unicode(body.model_dump())
         if body.model != self.name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
+        check_fields(body)
 
     def encode(self, prompt, chat: bool, param: str) -> torch.Tensor:
         try:
@@ -134,17 +142,54 @@ class Service:
         if not 0 <= temperature <= 2:
             raise APIError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        logprobs = self.logprobs(body)
         try:
-            sampling = SamplingConfig(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                                      top_k=body.top_k or 0, seed=body.seed)
-            generation = GenerationConfig(max_new_tokens=max_tokens, stop=stop)
+            sampling = SamplingConfig(
+                temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                seed=body.seed, frequency_penalty=body.frequency_penalty or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=self.logit_bias(body))
+            generation = GenerationConfig(max_new_tokens=max_tokens, stop=stop, logprobs=logprobs)
         except MedusaError as e:
-            param = next((p for p in ("top_p", "top_k", "stop") if p in str(e)), None)
+            param = next((p for p in ("top_p", "top_k", "stop", "frequency_penalty", "presence_penalty",
+                                      "repetition_penalty", "logit_bias") if p in str(e)), None)
             raise APIError(400, str(e), param=param) from None
         request = Request(input_ids[0].cpu(), generation, sampling, id=uuid.uuid4().hex,
                           speculative=body.speculative)
+        who = body.user or getattr(body, "safety_identifier", None)
+        if who:
+            log.info("request %s from user %r", request.id, who)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage)
+        return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage, logprobs is not None)
+
+    @staticmethod
+    def logprobs(body: _Body) -> int | None:
+        """How many alternatives per token the request asks for (None: no logprobs)."""
+        if isinstance(body, CompletionBody):
+            if body.logprobs is not None and not 0 <= body.logprobs <= COMPLETION_MAX_LOGPROBS:
+                raise APIError(400, f"logprobs must be between 0 and {COMPLETION_MAX_LOGPROBS}, got {body.logprobs}",
+                               param="logprobs")
+            return body.logprobs
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}",
+                           param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+
+    def logit_bias(self, body: _Body) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias} -> {id: bias}, every id in the vocabulary."""
+        if not body.logit_bias:
+            return None
+        vocab = self.model.base.config.get_text_config().vocab_size
+        out = {}
+        for key, value in body.logit_bias.items():
+            if not (key.strip().isdigit() and 0 <= int(key) < vocab):
+                raise APIError(400, f"logit_bias keys must be token ids in 0..{vocab - 1}, got {key!r}",
+                               param="logit_bias")
+            out[int(key)] = value
+        return out
 
     async def respond(self, prepared: _Prepared, request: HTTPRequest, kind: str, prefix: str):
         """Submit the job; answer with its whole text, or with a stream of server-sent events."""
@@ -164,11 +209,32 @@ class Service:
         if job.finish_reason is None:  # cancelled from outside: shutdown or a gone client
             raise shutting_down()
         result = self.text_result(prepared, text, "".join(parts))
-        choice = ({"index": 0, "text": result["text"], "logprobs": None, "finish_reason": result["finish_reason"]}
+        logprobs = self.logprob_block(prepared, text.pieces(), kind, 0)
+        choice = ({"index": 0, "text": result["text"], "logprobs": logprobs, "finish_reason": result["finish_reason"]}
                   if kind == "text_completion" else
-                  {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
+                  {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": logprobs,
                    "finish_reason": result["finish_reason"]})
         return {**meta, "object": kind, "choices": [choice], "usage": result["usage"], "medusa": result["medusa"]}
+
+    def logprob_block(self, prepared: _Prepared, pieces: list[tuple[int, str]], kind: str, offset: int) -> dict | None:
+        """The `logprobs` of a choice (or a streamed chunk) for these tokens (index, text): OpenAI's
+        chat form {content: [{token, logprob, bytes, top_logprobs}]} or its completions form {tokens,
+        token_logprobs, top_logprobs, text_offset} (offset: where the first piece's text starts).
+        None where the request did not ask."""
+        if not prepared.logprobs:
+            return None
+        job, decode = prepared.job, self.model.tokenizer.decode
+        entries = [(piece, *job.logprobs[i]) for i, piece in pieces]
+        if kind == "text_completion":
+            starts = [offset + sum(len(p) for p, _, _ in entries[:k]) for k in range(len(entries))]
+            return {"tokens": [p for p, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                    "top_logprobs": [{decode([t]): v for t, v in top} for _, _, top in entries], "text_offset": starts}
+
+        def one(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [one(p, lp) | {"top_logprobs": [one(decode([t]), v) for t, v in top]}
+                            for p, lp, top in entries], "refusal": None}
 
     def text_result(self, prepared: _Prepared, text: TextDecoder, full: str) -> dict:
         job = prepared.job
@@ -193,25 +259,30 @@ class Service:
         def event(choice: dict | None, **extra) -> str:
             return f"data: {json.dumps({**meta, 'object': chunk_kind, 'choices': [choice] if choice else [], **extra})}\n\n"
 
-        def choice(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+        def choice(delta: str | None, pieces: list[tuple[int, str]], finish: str | None = None,
+                   role: bool = False) -> dict:
+            logprobs = self.logprob_block(prepared, pieces, kind, sent) if pieces else None
             if kind == "text_completion":
-                return {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
             d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
-            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
-        def provenance() -> list[dict]:
-            """The tokens whose text was sent since the last call: text, step, depth, source."""
+        def provenance(pieces: list[tuple[int, str]]) -> list[dict]:
+            """These tokens (index, text): text, step, depth, source."""
             steps = prepared.job.provenance
             return [{"text": piece, "step": steps[i][0], "depth": steps[i][1], "source": steps[i][2].value}
-                    for i, piece in text.pieces()]
+                    for i, piece in pieces]
 
         text = TextDecoder(self.model.tokenizer, prepared.stop)
+        sent = 0  # characters of the text whose tokens' logprobs were sent
         try:
             if kind == "chat.completion":
-                yield event(choice(None, role=True))
+                yield event(choice(None, [], role=True))
             try:
                 async for delta in deltas(prepared.job, text):
-                    yield event(choice(delta), medusa={"tokens": provenance()})
+                    pieces = text.pieces()  # the tokens whose text was sent with this delta
+                    yield event(choice(delta, pieces), medusa={"tokens": provenance(pieces)})
+                    sent += sum(len(p) for _, p in pieces)
             except APIError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
                 yield "data: [DONE]\n\n"
@@ -220,7 +291,9 @@ class Service:
                 yield f"data: {json.dumps(shutting_down().body())}\n\n"
                 return
             result = self.text_result(prepared, text, text.text)
-            yield event(choice(None, finish=result["finish_reason"]), medusa=result["medusa"] | {"tokens": provenance()})
+            pieces = text.pieces()
+            yield event(choice(None, pieces, finish=result["finish_reason"]),
+                        medusa=result["medusa"] | {"tokens": provenance(pieces)})
             if prepared.include_usage:
                 yield event(None, usage=result["usage"])
             yield "data: [DONE]\n\n"
@@ -263,6 +336,7 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
                 task.cancel()
 
     app = FastAPI(title="medusa-decoding", lifespan=lifespan)
+    app.add_middleware(CountAnswers, metrics=service.metrics)
     app.state.scheduler = scheduler
     app.state.model_name = service.name
     page = (resources.files(__package__) / "page.html").read_text(encoding="utf-8")
@@ -287,6 +361,11 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
     async def health():
         return service.health()
 
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
     @app.get("/v1/models")
     async def models():
         return service.models()
@@ -305,6 +384,31 @@ def create_app(model: MedusaModel, max_batch_size: int = 8, model_name: str | No
         return await service.respond(prepared, request, "chat.completion", "chatcmpl")
 
     return app
+
+
+class CountAnswers:
+    """ASGI middleware counting answers by route and status (metrics.Metrics.answered). Plain ASGI,
+    not BaseHTTPMiddleware, which would hide a client's disconnect from the routes."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")  # set by the router on the shared scope
+            self.metrics.answered(getattr(route, "path", "other"), status if status is not None else "none")
 
 
 def resident_mib() -> float | None:
@@ -336,6 +440,14 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
 
 def serve(model: MedusaModel, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 8,
           log_level: str = "info", **app_kwargs) -> None:
-    """Serve `model` with uvicorn until interrupted."""
+    """Serve `model` with uvicorn until interrupted. A server lives long: in compile mode auto, a
+    child process builds the graphs its steps lack while it is idle (it ends with the server)."""
+    backend = model.backend
+    if getattr(backend, "mode", None) is CompileMode.AUTO:
+        backend.background = True
     app = create_app(model, max_batch_size=max_batch_size, **app_kwargs)
-    make_server(app, host, port, log_level).run()
+    try:
+        make_server(app, host, port, log_level).run()
+    finally:
+        if backend.compiled:
+            backend.stop_builder()

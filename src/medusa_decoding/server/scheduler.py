@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class Job:
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length", once it ended
     watcher: asyncio.Task | None = None  # cancels the job when the client goes away
     provenance: list[tuple[int, int, Source]] = field(default_factory=list)  # per token: step, depth, source
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token, where asked
 
     @property
     def id(self) -> Hashable:
@@ -45,8 +47,9 @@ class Job:
 class Scheduler:
     """Owns the Decoder: admits queued jobs, applies cancellations, steps the batch."""
 
-    def __init__(self, decoder: Decoder):
-        self.decoder = decoder
+    def __init__(self, decoder: Decoder, metrics=None):
+        """metrics: what counts prefills and steps (metrics.Metrics; None: nothing)."""
+        self.decoder, self.metrics = decoder, metrics
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.jobs: dict[Hashable, Job] = {}  # admitted, not finished
         self._cancel: set[Hashable] = set()
@@ -82,7 +85,10 @@ class Scheduler:
             if not len(self.decoder):
                 continue
             try:
+                t0 = time.perf_counter()
                 outputs = await asyncio.to_thread(self.decoder.step)
+                if self.metrics is not None:
+                    self.metrics.stepped(outputs, time.perf_counter() - t0)
             except Exception as e:  # a bug, not a user error: fail the batch, keep serving
                 log.exception("decoding step failed")
                 for job_id in self.decoder.ids:
@@ -109,6 +115,8 @@ class Scheduler:
             job.out.put_nowait(APIError(500, f"prefill failed: {e}", type="server_error"))
             return
         self.jobs[job.id] = job
+        if self.metrics is not None:
+            self.metrics.prefilled(output)
         self._dispatch([output])
 
     def _apply_cancels(self) -> None:
@@ -153,6 +161,7 @@ async def deltas(job: Job, text: TextDecoder) -> AsyncIterator[str]:
             raise item
         job.stats = item.stats
         job.provenance += zip([item.step] * len(item.tokens), item.depths, item.sources)
+        job.logprobs += item.logprobs or []
         delta = text.push(item.tokens)
         if text.stopped:
             job.finish_reason = "stop"
