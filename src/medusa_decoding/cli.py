@@ -69,7 +69,9 @@ def compile_summary(backend) -> str:
     s = backend.stats()
     said = f", {s['compile_s']:.1f} s of it compiling or loading {s['graphs']} graphs"
     if s["eager_steps"]:
-        said += f"; {s['eager_steps']} steps ran eager for want of {s['missing']} graphs (medusa compile builds them)"
+        why = ([f"{s['missing']} graphs not built (medusa compile builds them)"] if s["missing"] else []) + (
+            [f"{s['deferred']} saved ones not worth loading for this run"] if s["deferred"] else [])
+        said += f"; {s['eager_steps']} steps ran eager: " + ", ".join(why)
     return said
 
 

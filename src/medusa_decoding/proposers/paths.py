@@ -7,6 +7,8 @@ Glossary: N tree nodes (root first), W nodes expanded per depth, D hidden, V' sh
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 import torch
@@ -84,10 +86,14 @@ class PathProposer(Proposer):
             return None
         depth = min(d.depth, budget - 1)
         inputs = self._graph_inputs(root) if self.graphs is not None else None
-        drafted = self.graphs.run((d.width, depth, budget), inputs) if inputs is not None else None
-        if drafted is None:  # eager: no compiled drafting, or its graph is not built yet
+        key = (d.width, depth, budget)
+        drafted = self.graphs.run(key, inputs) if inputs is not None else None
+        if drafted is None:  # eager: no compiled drafting, or its graph is not built (or loaded) yet
+            t0 = time.perf_counter()
             first, expand = self._expander(root)
             drafted = drafters.grow_tree(first, expand, d.width, depth, budget)
+            if inputs is not None:
+                self.graphs.ran_eager(key, time.perf_counter() - t0)
         index, parent, node_depth, score = drafted
         tokens = d.short.vocab[index]
         tokens[0] = root

@@ -66,6 +66,12 @@ RECOMPILE_LIMIT = 64  # frozen graphs per process; torch's default of 8 is too f
 GRAPH_VERSION = 3  # of what a saved graph computes or how it is generated (2: without size asserts; 3: C++ wrapper)
 RECHECK_S = 2.0  # `auto`: how often a step whose graph is missing looks for its file again
 BUILDER_IDLE_S = 30.0  # a background builder waits this long for more wanted shapes, then exits
+# Mode auto loads a saved graph once its shape's eager steps have spent what loading it costs
+# (rent, then buy): a run that ends sooner never pays for a load it would not win back, and one
+# that goes on loses at most the load's time again. The load's expected seconds (the first load of a
+# process also imports inductor) until one is measured, and a saved graph's share of the eager step:
+FIRST_LOAD_S = 2.0
+COMPILED_SHARE = 0.6
 WANTED, SPEC, LOCK, BUILD_LOG = "wanted", "builder.json", "builder.pid", "builder.log"
 
 
@@ -217,6 +223,9 @@ class CompiledBackend(EagerBackend):
         self._spare: SlotCache | None = None  # a released cache, for the next verifier
         # mode auto: shapes without a graph yet -> when their file was last looked for
         self.missing: dict[tuple, float] = {}
+        self.deferred: set[str] = set()  # saved graphs not loaded (yet): their eager steps have not paid for it
+        self.spent: dict[str, float] = {}  # shape -> seconds its steps ran eager here
+        self.load_s = FIRST_LOAD_S  # what loading a graph is expected to take (the last load, once measured)
         self.eager_steps = 0  # steps run eager for want of a graph
         self.background = background
         self.builder_idle_s = BUILDER_IDLE_S
@@ -302,10 +311,14 @@ class CompiledBackend(EagerBackend):
             b, n, width, capacity, rows, layers = shape
             what = f"the verify step for {b} rows x {n} nodes, width {width}"
             record = {"shape": [b, n, width, capacity, rows, list(layers) if layers else None]}
-            graph = self.saved_graph(graph_name(shape), what, record, args)
-            if graph is None:  # auto: eager until the background builder has saved it
+            name = graph_name(shape)
+            graph = self.saved_graph(name, what, record, args)
+            if graph is None:  # auto: eager until it is saved and worth loading
                 self.eager_steps += 1
-                return forward(*args[:5], layers=layers)
+                t0 = time.perf_counter()
+                out = forward(*args[:5], layers=layers)
+                self.ran_eager(name, time.perf_counter() - t0)
+                return out
             self.shapes[shape] = graph
         return graph(*args)
 
@@ -317,21 +330,35 @@ class CompiledBackend(EagerBackend):
             return self._graph(name, what, args, fn)
         return self._saved(name, what, record)
 
+    def ran_eager(self, name: str, seconds: float) -> None:
+        """A step (or a drafting) of graph `name`'s shape ran eager for want of it, taking `seconds`."""
+        self.spent[name] = self.spent.get(name, 0.0) + seconds
+
     def _saved(self, name: str, what: str, record: dict):
-        """Mode auto: the saved graph `name`, loaded, or None (asked of the background builder)."""
+        """Mode auto: the saved graph `name`, loaded once its eager steps have paid for the load;
+        else None (a shape not saved is listed for `medusa compile`, or this backend's builder)."""
         now = time.perf_counter()
+        path = self.folder / (name + ".pt2")
+        if name not in self.missing and name not in self.deferred:  # first sight
+            if path.exists():
+                self.deferred.add(name)
+            else:
+                self.missing[name] = now
+                self._want(name, record)
+        if self.spent.get(name, 0.0) * (1 - COMPILED_SHARE) < self.load_s:
+            return None  # not worth loading yet
         seen = self.missing.get(name)
         if seen is not None and now - seen < RECHECK_S:
             return None
-        self.missing[name] = now
-        path = self.folder / (name + ".pt2")
+        if seen is not None:
+            self.missing[name] = now
         graph = self._load(path) if path.exists() else None
         self.compile_s += time.perf_counter() - now
         if graph is not None:
-            del self.missing[name]
-            log.info("loaded %s (built in the background)", what)
-        elif seen is None:
-            self._want(name, record)
+            self.load_s = time.perf_counter() - now
+            self.missing.pop(name, None)
+            self.deferred.discard(name)
+            log.info("loaded %s (%.1f s)", what, self.load_s)
         return graph
 
     def _want(self, name: str, record: dict) -> None:
@@ -442,7 +469,7 @@ class CompiledBackend(EagerBackend):
     def stats(self) -> dict:
         return {"backend": "compiled", "mode": self.mode.value, "cache": "slots", "graphs": len(self.shapes),
                 "loaded": self.loaded, "frozen": self.freeze, "compile_s": self.compile_s,
-                "eager_steps": self.eager_steps, "missing": len(self.missing)}
+                "eager_steps": self.eager_steps, "missing": len(self.missing), "deferred": len(self.deferred)}
 
 
 class DraftGraphs:
@@ -480,3 +507,7 @@ class DraftGraphs:
             self.graphs[key] = graph
         self.runs += 1
         return graph(self.module, *inputs, *key)
+
+    def ran_eager(self, key: tuple[int, int, int], seconds: float) -> None:
+        """The drafting at `key` ran eager (no graph loaded), taking `seconds`."""
+        self.backend.ran_eager(draft_name(self.module, key), seconds)
