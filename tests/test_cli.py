@@ -59,12 +59,19 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     (["--heads", "/no/such/heads"], "no Medusa heads at"),
     (["--tree", "/no/such/tree.json"], "tree file"),
     (["--bogus"], "No such option: --bogus"),
+    (["--regex", "(unclosed"], "invalid regex grammar"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read"),
+    (["--json-schema", "NOTJSON"], "is not JSON"),
+    (["--json-schema", "SCHEMA", "--regex", "a"], "give --json-schema or --regex, not both"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, model_dir, args, message):
     folder, heads, bad_heads = model_dir
     base = {"--prompt": "hello", "--model": str(folder), "--heads": str(heads)}
+    (Path(folder) / "notjson.txt").write_text("{nope")
+    (Path(folder) / "schema.json").write_text('{"type": "object"}')
+    named = {"BAD": str(bad_heads), "NOTJSON": str(Path(folder) / "notjson.txt"), "SCHEMA": str(Path(folder) / "schema.json")}
     for flag, value in zip(args[::2], args[1::2]):
-        base[flag] = str(bad_heads) if value == "BAD" else value
+        base[flag] = named.get(value, value)
     argv = ["generate", "--no-chat", "--device", "cpu"] + [x for kv in base.items() for x in kv]
     if len(args) % 2:
         argv += args[-1:]
@@ -73,3 +80,19 @@ def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, model_dir, args, m
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_generate_with_a_json_schema_or_a_regex(capsys, monkeypatch, model_dir, tmp_path):
+    """--json-schema / --regex: the answer matches, and speculation gives plain decoding's answer."""
+    import json
+    import re
+
+    folder, heads, _ = model_dir
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    common = ["generate", "-p", "hi", "--model", folder, "--no-chat", "-n", "30", "--dtype", "float32", "--device", "cpu"]
+    for constraint, check in ((["--json-schema", tmp_path / "s.json"], lambda t: set(json.loads(t)) == {"ok"}),
+                              (["--regex", "[ab]{4}!"], lambda t: re.fullmatch("[ab]{4}!", t))):
+        code, out, _ = medusa(capsys, monkeypatch, *common, "--heads", heads, *constraint)
+        code2, plain, _ = medusa(capsys, monkeypatch, *common, "--no-medusa", *constraint)
+        assert code == code2 == 0 and out == plain and check(out.strip()), out

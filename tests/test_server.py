@@ -396,7 +396,7 @@ COMPLETION_FIELDS = {
     "stream_options": {"include_usage": True}, "suffix": "end", "temperature": 0.5, "top_p": 0.5, "user": "u1",
 }
 HONOURED = {"frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "presence_penalty",
-            "safety_identifier", "seed", "stop", "stream", "temperature", "top_p", "user"}
+            "response_format", "safety_identifier", "seed", "stop", "stream", "temperature", "top_p", "user"}
 NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True}}  # fields that need another
 
 
@@ -517,3 +517,41 @@ def test_metrics_count_what_the_answers_say(medusa):
         assert value("medusa:step_seconds_count") == value("medusa:steps_total") > 0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_outputs_equal_generates_and_are_valid(server, medusa, stream):
+    """response_format json_object / json_schema and the structured_outputs extension (regex,
+    choice): the answer is valid and equals medusa.generate under the same grammar (which equals
+    plain constrained decoding, tests/test_grammar.py)."""
+    from medusa_decoding.config import Grammar
+
+    client = server.client()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Weather as JSON"}]
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}},
+              Grammar("json_schema", json.dumps(schema))),
+             ({"response_format": {"type": "json_object"}}, Grammar("json_object")),
+             ({"extra_body": {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}}, Grammar("regex", "[0-9]{3}-[a-z]{2}")),
+             ({"extra_body": {"structured_outputs": {"choice": ["yes", "no (1+1)"]}}},
+              Grammar("regex", "yes|no\\ \\(1\\+1\\)"))]
+    for kwargs, grammar in cases:
+        want = medusa.generate(messages, max_new_tokens=60, grammar=grammar)
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0, stream=stream,
+                                             **kwargs)
+        text = ("".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream
+                else out.choices[0].message.content)
+        assert text == want.text, kwargs
+    value = json.loads(medusa.generate(messages, max_new_tokens=60, grammar=cases[0][1]).text)
+    assert set(value) == {"city", "sunny"} and isinstance(value["sunny"], bool)
+    url = f"{server.url}/v1/chat/completions"
+    base = {"model": NAME, "messages": messages, "max_tokens": 5}
+    error(httpx.post(url, json={**base, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
+          400, "response_format")
+    error(httpx.post(url, json={**base, "response_format": {"type": "yaml"}}), 400, "response_format")
+    error(httpx.post(url, json={**base, "structured_outputs": {"regex": "(unclosed"}}), 400, "structured_outputs")
+    error(httpx.post(url, json={**base, "structured_outputs": {"regex": "a", "choice": ["b"]}}), 400, "structured_outputs")
+    error(httpx.post(url, json={**base, "response_format": {"type": "json_object"},
+                                "structured_outputs": {"regex": "a"}}), 400, "structured_outputs")

@@ -62,6 +62,29 @@ def load_model(model: str, spec, dtype: str, device: str):
     return MedusaModel.from_pretrained(model, spec, dtype=dtype, device=device, report=lambda line: typer.echo(line, err=True))
 
 
+def structured_output(json_schema: Optional[Path], regex: Optional[str]):
+    """generate's --json-schema FILE / --regex R -> a config.Grammar, or None."""
+    import json
+
+    from .config import Grammar, GrammarKind
+
+    if json_schema is not None and regex is not None:
+        fail("give --json-schema or --regex, not both")
+    if regex is not None:
+        return Grammar(GrammarKind.REGEX, regex)
+    if json_schema is None:
+        return None
+    try:
+        schema = json.loads(json_schema.read_text())
+    except OSError as e:
+        fail(f"--json-schema: cannot read {json_schema} ({e.strerror})")
+    except json.JSONDecodeError as e:
+        fail(f"--json-schema: {json_schema} is not JSON ({e})")
+    if not isinstance(schema, dict):
+        fail(f"--json-schema: {json_schema} must hold a JSON object (a schema)")
+    return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+
+
 def compile_summary(backend) -> str:
     """What the compiled step did in this run, for generate's stats line ('' when eager)."""
     if not backend.compiled:
@@ -103,16 +126,19 @@ def generate(
     compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Structured output: the answer is JSON valid under this JSON schema file (speculation stays lossless under it)."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Structured output: the whole answer matches this regular expression."),
 ) -> None:
     """Generate text for one prompt, streamed to stdout; a line of stats goes to stderr."""
     if not prompt.strip():
         fail("the prompt is empty")
+    grammar = structured_output(json_schema, regex)
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
     spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
     m = load_model(model, spec, dtype, device)
-    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, **sampling)
+    stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, grammar=grammar, **sampling)
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()

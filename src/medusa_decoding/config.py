@@ -182,6 +182,32 @@ class SamplingConfig:
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
+class GrammarKind(str, enum.Enum):
+    """What a structured output's grammar is written in (grammar.py matches it)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema (its text)
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's json_object mode)
+    REGEX = "regex"  # the whole output matches this regular expression
+    LARK = "lark"  # a Lark grammar (llguidance's dialect)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match (structured outputs)."""
+
+    kind: GrammarKind
+    source: str = ""  # the schema's JSON text, the regex or the grammar (empty for json_object)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", GrammarKind(self.kind))
+        except ValueError:
+            raise MedusaError(f"unknown grammar kind {self.kind!r}; use one of "
+                              f"{', '.join(k.value for k in GrammarKind)}") from None
+        if self.kind is not GrammarKind.JSON_OBJECT and not self.source:
+            raise MedusaError(f"a {self.kind.value} grammar needs its text")
+
+
 @dataclass
 class GenerationConfig:
     """When generation stops."""
@@ -193,6 +219,7 @@ class GenerationConfig:
     # the base model's log-probability of each emitted token, with this many most likely
     # alternatives (0: the token's own alone; None: none), from the verification pass
     logprobs: int | None = None
+    grammar: Grammar | None = None  # every emitted token keeps the output valid under it (grammar.py)
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import proposers
-from ..config import DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
+from ..config import (DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, Grammar, MedusaError, NgramConfig,
+                      SamplingConfig)
+from ..grammar import Grammars
 from ..datastore import Datastore
 from ..models import load_base
 from ..proposers import Drafter
@@ -120,6 +122,8 @@ class MedusaModel:
         self.eos_token_ids = {int(e) for e in eos if e is not None}
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        # structured outputs: a grammar ends on these ids (the tokenizer is wrapped on first use)
+        self.grammars = Grammars(tokenizer, base.config.get_text_config().vocab_size, sorted(self.eos_token_ids))
 
     @property
     def heads(self):
@@ -144,7 +148,7 @@ class MedusaModel:
     def decoder(self, max_batch_size: int = 1, use_medusa: bool = True, policy=None) -> Decoder:
         """A decoder for up to max_batch_size sequences at once (the server's and the batch bench's)."""
         return Decoder(self.verifier(max_batch_size, use_medusa), self.method(use_medusa), self.eos_token_ids, max_batch_size,
-                       policy)
+                       policy, self.grammars)
 
     def tree_sizes(self, use_medusa: bool = True) -> list[int]:
         """Node counts of the verification steps this model takes: the shapes a compiled backend needs."""
@@ -266,15 +270,17 @@ class MedusaModel:
         use_medusa: bool = True,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
         **sampling,
     ) -> TextStream:
         """Generate and stream text deltas. `sampling`: SamplingConfig fields (temperature, top_p,
         top_k, seed, acceptance, frequency/presence/repetition penalties, logit_bias, ...). A tensor
         prompt is taken as input_ids [1, T]. use_medusa=False: plain decoding (no drafter, no
         n-gram branch), the baseline. logprobs=K: each token's log-probability and its K likeliest
-        alternatives (the stream's `.logprobs`)."""
+        alternatives (the stream's `.logprobs`). grammar: the output must match it (a config.Grammar:
+        a JSON schema, any JSON object, a regex or a Lark grammar), losslessly under the constraint."""
         generation = GenerationConfig(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, grammar=grammar)
         request = Request(prompt if isinstance(prompt, torch.Tensor) else self.encode(prompt, chat), generation,
                           SamplingConfig(**sampling), stats=GenerationStats())
         return TextStream(self.tokenizer, self._outputs(request, use_medusa), request.stats, generation.stop)

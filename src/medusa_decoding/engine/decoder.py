@@ -23,7 +23,9 @@ import torch
 from ..acceptance import History, accept, penalize, token_logprobs
 from ..config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from ..datastore import Datastore
+from ..grammar import Grammars, RowGrammar, apply_masks
 from ..proposers import Drafter, Proposer
+from ..proposers.forced import ForcedBranch
 from ..proposers.ngram import NgramBranch
 from ..tree import TreeBuffers, build_tree
 from ..verifiers import Verifier
@@ -141,8 +143,12 @@ class Method:
     ngram: NgramConfig | None = None
     store: Datastore | None = None  # where the n-gram branch looks when the context has no match
 
-    def proposer(self) -> Proposer:
+    def proposer(self, grammar: RowGrammar | None = None) -> Proposer:
+        """A row's proposer: the drafter's, with the grammar's forced tokens beside it where the row has
+        a grammar (and the method speculates), then the n-gram branch."""
         inner = self.drafter.proposer() if self.drafter is not None else None
+        if grammar is not None and self.speculative:
+            inner = ForcedBranch(inner or Proposer(), grammar)
         if self.ngram is not None:
             return NgramBranch(inner, self.ngram, self.store)
         return inner or Proposer()
@@ -198,6 +204,7 @@ class _Seq:
     eos: set[int]
     root: torch.Tensor  # [] long: the last emitted token, not yet in the cache
     history: History | None = None  # what its penalties read (None: the request has none)
+    grammar: RowGrammar | None = None  # what its output must keep matching (None: free text)
 
 
 class Decoder:
@@ -205,7 +212,8 @@ class Decoder:
     Not thread-safe: one owner calls add / step / cancel."""
 
     def __init__(self, verifier: Verifier, method: Method, eos_token_ids: Iterable[int], max_batch_size: int = 1,
-                 policy: FixedSpeculation | AdaptiveSpeculation | None = None):
+                 policy: FixedSpeculation | AdaptiveSpeculation | None = None, grammars: Grammars | None = None):
+        """grammars: the compiler of structured outputs' grammars (None: requests with one are refused)."""
         if max_batch_size < 1:
             raise MedusaError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.verifier, self.method = verifier, method
@@ -215,6 +223,7 @@ class Decoder:
         self.eos = {int(e) for e in eos_token_ids}
         self.max_batch_size = min(max_batch_size, verifier.max_rows or max_batch_size)
         self.policy = policy or FixedSpeculation()
+        self.grammars = grammars
         self.ctx = verifier.context_length
         # the drafter's drafting compiled where the base's steps are (None: eager)
         backend = getattr(verifier, "backend", None)
@@ -246,8 +255,13 @@ class Decoder:
             raise MedusaError(f"a sequence with id {request.id!r} is already in the batch")
         ids = request.input_ids.reshape(-1)
         gen = request.generation
+        grammar = None
+        if gen.grammar is not None:
+            if self.grammars is None:
+                raise MedusaError("this decoder has no grammar compiler: structured outputs are not served here")
+            grammar = self.grammars.row(gen.grammar)  # an invalid grammar is refused before the prefill
         t0 = time.perf_counter()
-        proposer = self.method.proposer()
+        proposer = self.method.proposer(grammar)
         if self.drafting is not None:
             proposer.use_graphs(self.drafting)
         room = gen.max_new_tokens + 2 * max(proposer.depth_limit, 1) + 2
@@ -257,11 +271,13 @@ class Decoder:
         if request.sampling.seed is not None:
             generator = torch.Generator(device=logits.device).manual_seed(request.sampling.seed)
         history = History.start(ids, logits.shape[-1]) if request.sampling.penalized else None
-        scored = logits[None] if history is None else penalize(logits[None], ids[-1:], self._root(logits.device),
-                                                               history, request.sampling)  # [1, V]
+        first = _Seq(request, None, row, generator, None, set(), ids[-1], history, grammar)  # what _scored reads
+        scored = self._scored(first, logits[None], ids[-1:], self._root(logits.device))  # [1, V]
         root = accept(ids[-1:], scored, self._root(logits.device), request.sampling, generator).bonus
         if history is not None:
             history.emit(root.reshape(1))
+        if grammar is not None:
+            grammar.consume([int(root)])
         logprobs = None
         if gen.logprobs is not None:
             logprobs = token_logprobs(logits[None], root.reshape(1), gen.logprobs)
@@ -271,7 +287,7 @@ class Decoder:
         stats.prompt_tokens, stats.new_tokens = ids.numel(), 1
         stats.prefill_s = time.perf_counter() - t0
         eos = self.eos if gen.eos_token_ids is None else {int(e) for e in gen.eos_token_ids}
-        seq = _Seq(request, proposer, row, generator, stats, eos, root, history)
+        seq = _Seq(request, proposer, row, generator, stats, eos, root, history, grammar)
         token = int(root)
         reason = self._finish_reason(seq, [token])
         if reason is None:
@@ -320,6 +336,8 @@ class Decoder:
         outputs, keep = [], []
         for s, p, r, e, lp in zip(seqs, proposals, results, emitted, logprobs):
             new, flat = flat[: e.numel()], flat[e.numel():]
+            if s.grammar is not None:
+                s.grammar.consume(new)
             s.root = r.bonus
             st = s.stats
             st.record(len(new))
@@ -375,10 +393,15 @@ class Decoder:
 
     @staticmethod
     def _scored(seq: _Seq, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
-        """A row's logits [N, V] as its acceptance reads them: penalized where it asks."""
-        if seq.history is None:
-            return logits
-        return penalize(logits, tokens, tree, seq.history, seq.request.sampling)
+        """A row's logits [N, V] as its acceptance reads them: penalized where it asks, and each node's
+        masked by the grammar state its own path reaches (a copy: the raw logits stay for logprobs)."""
+        if seq.history is not None:
+            logits = penalize(logits, tokens, tree, seq.history, seq.request.sampling)  # a float32 copy
+        elif seq.grammar is not None:
+            logits = logits.float().clone()
+        if seq.grammar is not None:
+            logits = apply_masks(logits, seq.grammar.masks(tokens, tree))
+        return logits
 
     def _root(self, device) -> TreeBuffers:
         if self._root_only is None:

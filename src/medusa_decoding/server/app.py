@@ -37,7 +37,8 @@ from ..config import MAX_LOGPROBS, CompileMode, GenerationConfig, MedusaError, S
 from ..engine import GenerationStats, MedusaModel, Request
 from ..text import TextDecoder
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, COMPLETION_MAX_LOGPROBS, FIELDS, APIError, ChatBody,
-                       CompletionBody, _Body, check_fields, check_unicode, content_text, shutting_down)
+                       CompletionBody, _Body, check_fields, check_unicode, content_text, grammar_of,
+                       shutting_down)
 from .metrics import Metrics
 from .scheduler import Job, Scheduler, deltas, watch_disconnect
 
@@ -150,10 +151,15 @@ class Service:
                 presence_penalty=body.presence_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=self.logit_bias(body))
-            generation = GenerationConfig(max_new_tokens=max_tokens, stop=stop, logprobs=logprobs)
+            grammar = grammar_of(body)
+            generation = GenerationConfig(max_new_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=grammar)
+            if grammar is not None:
+                self.model.grammars.row(grammar)  # an invalid one is a 400 now, not an error event mid-stream
         except MedusaError as e:
             param = next((p for p in ("top_p", "top_k", "stop", "frequency_penalty", "presence_penalty",
                                       "repetition_penalty", "logit_bias") if p in str(e)), None)
+            if "grammar" in str(e):
+                param = "response_format" if getattr(body, "response_format", None) else "structured_outputs"
             raise APIError(400, str(e), param=param) from None
         request = Request(input_ids[0].cpu(), generation, sampling, id=uuid.uuid4().hex,
                           speculative=body.speculative)

@@ -3,7 +3,7 @@
 Nothing in a request is silently ignored. Every field of OpenAI's chat and completions requests
 is declared here: honoured (as OpenAI documents it, or in vLLM's sense for its extensions), or
 refused with a 400 that names it where it asks for what this server does not do (`REFUSED`: tools,
-structured outputs, n > 1, ...; the default or null value of such a field is accepted, as it asks
+n > 1, ...; the default or null value of such a field is accepted, as it asks
 for nothing). A field OpenAI does not define, and this server does not add, is refused as unknown.
 Every error is answered as {"error": {message, type, param, code}} with a 4xx status (5xx only
 for server faults).
@@ -11,12 +11,14 @@ for server faults).
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..config import MAX_LOGPROBS
+from ..config import MAX_LOGPROBS, Grammar, GrammarKind
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the context left
 COMPLETION_MAX_LOGPROBS = 5  # OpenAI's limit of /v1/completions' logprobs
@@ -58,6 +60,8 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # an end-user id: written to the server's log with the request
     speculative: bool = True  # extension: False decodes this request plainly (a side-by-side baseline)
+    # extension (as vLLM): one of {"json": schema, "json_object": true, "regex": r, "grammar": lark, "choice": [..]}
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI fields this server refuses unless they ask for nothing (REFUSED)
     service_tier: Any = None
     store: Any = None
@@ -110,14 +114,8 @@ def _absent(v) -> bool:
     return v is None
 
 
-def _text_format(v) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
 # field -> (is this value one that asks for nothing this server lacks?, what is not built)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_text_format, "structured outputs (json_object, json_schema) are not built yet; "
-                                      "only {\"type\": \"text\"} is honoured"),
     "tools": (lambda v: v is None or v == [], "tool calling is not built"),
     "tool_choice": (lambda v: v is None or v == "none", "tool calling is not built (only \"none\")"),
     "parallel_tool_calls": (_absent, "tool calling is not built"),
@@ -189,6 +187,48 @@ def check_fields(body: _Body) -> None:
     if options and not body.stream:
         raise APIError(400, "stream_options needs stream: true", param="stream_options")
 
+
+def grammar_of(body: _Body) -> Grammar | None:
+    """The request's structured output: chat's `response_format` (text, json_object, json_schema) or
+    the `structured_outputs` extension (json, json_object, regex, grammar, choice) -> a Grammar, or
+    None for free text; anything else -> a 400 naming it."""
+    fmt = getattr(body, "response_format", None)
+    grammar = None
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            grammar = Grammar(GrammarKind.JSON_OBJECT)
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema must be an object with a `schema` object",
+                               param="response_format")
+            grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(spec.get("schema", {})))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format", code="unsupported_field")
+    outputs = body.structured_outputs
+    if outputs:
+        if grammar is not None:
+            raise APIError(400, "give either response_format or structured_outputs", param="structured_outputs")
+        if len(outputs) != 1 or next(iter(outputs)) not in STRUCTURED:
+            raise APIError(400, f"structured_outputs takes exactly one of {', '.join(STRUCTURED)}, got "
+                                f"{', '.join(map(str, outputs)) or 'none'}", param="structured_outputs",
+                           code="unsupported_field")
+        (key, value), = outputs.items()
+        ok = {"json": isinstance(value, (dict, str)), "json_object": value is True,
+              "regex": isinstance(value, str) and value, "grammar": isinstance(value, str) and value,
+              "choice": isinstance(value, list) and value and all(isinstance(c, str) for c in value)}[key]
+        if not ok:
+            raise APIError(400, f"structured_outputs.{key}: not a valid value", param=f"structured_outputs.{key}")
+        grammar = (Grammar(GrammarKind.JSON_SCHEMA, value if isinstance(value, str) else json.dumps(value))
+                   if key == "json" else Grammar(GrammarKind.JSON_OBJECT) if key == "json_object" else
+                   Grammar(GrammarKind.REGEX, value) if key == "regex" else Grammar(GrammarKind.LARK, value)
+                   if key == "grammar" else Grammar(GrammarKind.REGEX, "|".join(map(re.escape, value))))
+    return grammar
+
+
+STRUCTURED = ("json", "json_object", "regex", "grammar", "choice")
 
 FIELDS = set(CompletionBody.model_fields) | set(ChatBody.model_fields) | set(ChatMessage.model_fields)
 
