@@ -478,8 +478,8 @@ def evaluate(
 def bench(
     model: str = ModelOpt,
     heads: Optional[Path] = HeadsOpt,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns."),
-    suite: Optional[str] = typer.Option(None, "--suite", help="builtin (the default: 3 prompts for each of Spec-Bench's 13 categories, shipped with the package), spec-bench (the file $MEDUSA_SPEC_BENCH names), humaneval or sharegpt (held-out first turns)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns; an optional \"schema\" (a JSON schema) decodes that prompt's answers under it."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="builtin (the default: 3 prompts for each of Spec-Bench's 13 categories, shipped with the package), json (24 extraction and generation prompts, each decoded under its JSON schema; schema validity reported), spec-bench (the file $MEDUSA_SPEC_BENCH names), humaneval or sharegpt (held-out first turns)."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     copy_run: int = typer.Option(NgramConfig.copy_run, "--ngram-copy-run", help="Chain tokens accepted in a step after which the n-gram chain is verified alone (copy steps); 0: never, the chain beside every tree."),

@@ -32,7 +32,7 @@ from .methods import build_methods, run_method
 from .records import Generate, Record
 from .prompts import BUILTIN, SUITES, Prompt, load_jsonl_prompts, load_suite, select
 from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, fitted_line, identity_line, machine_info,
-                     method_row, text_table, write_plots, write_report)
+                     method_row, text_table, write_plots, write_report, validity_line)
 from .summary import first_difference, fitted_vs_shipped, identity_check, per_prompt_speedups, summarize
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -51,6 +51,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     if not prompts:
         raise MedusaError("no prompt to run")
     model, methods, default = build_methods(cfg)
+    unconstrained = [name for name, g in methods.items() if not getattr(g, "constrains", False)]
+    if any(p.schema is not None for p in prompts) and unconstrained:
+        raise MedusaError(f"these prompts carry JSON schemas, which {', '.join(unconstrained)} cannot decode under: "
+                          "use this engine's methods (plain, default, ...)")
+    if any(p.schema is not None for p in prompts) and cfg.batch_sizes:
+        raise MedusaError("the batched runs do not take schemas: drop --batch-sizes")
     out = Path(cfg.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "prompts": len(prompts)}
@@ -66,6 +72,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         rows = [[m] + method_row(results["summary"]["overall"][m], results["identity"].get(m)) for m in methods]
         print(text_table(OVERALL_HEADER, rows))
         print(identity_line(results["identity"]))
+        if results.get("validity"):
+            print(validity_line(results["validity"]))
         if results["fitted_vs_shipped"]:
             print(fitted_line(results["fitted_vs_shipped"]))
     if cfg.batch_sizes:
@@ -108,4 +116,15 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
             # the @compiled methods' backend (its graphs), when any ran
             "compiled_engine": next((g.backend.stats() for g in methods.values()
                                      if hasattr(g, "backend") and g.backend.compiled), None),
-            "identity": identity, "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}
+            "identity": identity, "validity": validity(records, names),
+            "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}
+
+
+def validity(records: list[Record], names: list[str]) -> dict[str, dict[str, int]]:
+    """Per method, answers valid under their prompt's schema (empty where no prompt has one)."""
+    out = {}
+    for name in names:
+        checked = [r.valid for r in records if r.method == name and r.valid is not None]
+        if checked:
+            out[name] = {"valid": sum(checked), "checked": len(checked)}
+    return out

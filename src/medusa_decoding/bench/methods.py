@@ -4,6 +4,7 @@ transformers' (hf, hf-pld) and llama.cpp's plain decoding (llamacpp.py); `run_me
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from dataclasses import replace
@@ -16,7 +17,7 @@ from ..config import CONFIG_NAME, DrafterKind, MedusaError
 from ..kernels.attention import register_attention
 from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
-from .prompts import Prompt
+from .prompts import Prompt, schema_valid
 from .records import Generate, Record, Turn, sync
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -25,29 +26,30 @@ log = logging.getLogger("medusa_decoding.bench")
 def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
     """`plain` (use_medusa=False) or `medusa`: our engine, timed end to end, less the time a compiled
     runner spent compiling a new shape during the call (reported apart)."""
-    def generate(input_ids, max_new_tokens, seed):
+    def generate(input_ids, max_new_tokens, seed, grammar=None):
         sampling = dict(temperature=temperature, seed=seed) if temperature > 0 else {}
         compiling = model.backend.compile_s
         sync(model.device)
         t0 = time.perf_counter()
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, use_medusa=use_medusa, **sampling)
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, use_medusa=use_medusa, grammar=grammar,
+                             **sampling)
         sync(model.device)
         wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
         return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
-    generate.model = model
+    generate.model, generate.constrains = model, True
     return generate
 
 
 def backend_method(backend, generate: Generate) -> Generate:
     """The same engine method on `backend` (compiled, or eager on stock linears) for the call."""
-    def on_backend(input_ids, max_new_tokens, seed):
+    def on_backend(input_ids, max_new_tokens, seed, grammar=None):
         model = generate.model
         eager, model.backend = model.backend, backend
         try:
-            return generate(input_ids, max_new_tokens, seed)
+            return generate(input_ids, max_new_tokens, seed, grammar)
         finally:
             model.backend = eager
-    on_backend.backend = backend
+    on_backend.backend, on_backend.constrains = backend, True
     return on_backend
 
 
@@ -64,9 +66,10 @@ def attention(model, name: str):
 
 def exact_method(model, generate: Generate) -> Generate:
     """The same method with the base in exact mode for the call (attention.exact_attention)."""
-    def exact(input_ids, max_new_tokens, seed):
+    def exact(input_ids, max_new_tokens, seed, grammar=None):
         with attention(model, register_attention(exact=True)):
-            return generate(input_ids, max_new_tokens, seed)
+            return generate(input_ids, max_new_tokens, seed, grammar)
+    exact.constrains = True
     return exact
 
 
@@ -110,7 +113,14 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
     for text in turns:
         messages.append({"role": "user", "content": text})
         input_ids = model.encode(messages) if chat else model.encode(text, chat=False)
-        turn = generate(input_ids, max_new_tokens, seed)
+        turn = generate(input_ids, max_new_tokens, seed, prompt.grammar) if prompt.schema else \
+            generate(input_ids, max_new_tokens, seed)
+        if prompt.schema is not None:
+            try:
+                valid = schema_valid(json.loads(turn.text), prompt.schema)
+            except ValueError:
+                valid = False
+            record.valid = valid and record.valid is not False
         messages.append({"role": "assistant", "content": turn.text})
         record.token_ids.append(turn.token_ids)
         record.new_tokens += len(turn.token_ids)

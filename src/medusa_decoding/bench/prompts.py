@@ -14,15 +14,18 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..config import MedusaError
+from ..config import Grammar, GrammarKind, MedusaError
 
 log = logging.getLogger("medusa_decoding.bench")
 
 # the bench's default suite: 3 prompts for each of Spec-Bench's 13 categories, written for this
 # package (not taken from any benchmark), a few with a second turn
 BUILTIN = "builtin"
+# a structured workload: 24 extraction and generation prompts, each with the JSON schema its answer
+# is decoded under (written for this package)
+JSON_SUITE = "json"
 SPEC_BENCH_ENV = "MEDUSA_SPEC_BENCH"  # the path of Spec-Bench's question.jsonl
-SUITES = (BUILTIN, "spec-bench", "humaneval", "sharegpt")
+SUITES = (BUILTIN, JSON_SUITE, "spec-bench", "humaneval", "sharegpt")
 
 @dataclass
 class Prompt:
@@ -30,6 +33,11 @@ class Prompt:
     category: str
     turns: list[str]  # user turns; the second is asked after the method's own first answer
     chat: bool = True  # False: plain completion of turns[0] (HumanEval)
+    schema: dict | None = None  # every answer is decoded under this JSON schema (structured outputs)
+
+    @property
+    def grammar(self) -> Grammar | None:
+        return None if self.schema is None else Grammar(GrammarKind.JSON_SCHEMA, json.dumps(self.schema))
 
 
 def load_jsonl_prompts(path: Path) -> list[Prompt]:
@@ -48,8 +56,11 @@ def load_jsonl_prompts(path: Path) -> list[Prompt]:
                 raise ValueError
             pid = str(obj.get("question_id", n))
             pid = f"{pid}@{n}" if pid in ids else pid  # records are keyed by prompt id
+            schema = obj.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise ValueError
             ids.add(pid)
-            prompts.append(Prompt(pid, str(obj.get("category", "default")), turns))
+            prompts.append(Prompt(pid, str(obj.get("category", "default")), turns, schema=schema))
         except (ValueError, KeyError, TypeError):
             bad += 1
     if not prompts:
@@ -75,8 +86,8 @@ def has_suite(name: str) -> bool:
 
 
 def load_suite(name: str, limit: int | None = None) -> list[Prompt]:
-    if name == BUILTIN:
-        return load_jsonl_prompts(Path(str(resources.files("medusa_decoding") / "bench" / "data" / "builtin.jsonl")))
+    if name in (BUILTIN, JSON_SUITE):
+        return load_jsonl_prompts(Path(str(resources.files("medusa_decoding") / "bench" / "data" / f"{name}.jsonl")))
     if name == "spec-bench":
         path = spec_bench_path()
         if path is None:
@@ -111,5 +122,31 @@ def select(prompts: list[Prompt], limit: int | None, turns: int | None) -> list[
     for p in prompts:
         seen[p.category] += 1
         if limit is None or seen[p.category] <= limit:
-            kept.append(Prompt(p.id, p.category, p.turns[:turns] if turns else p.turns, p.chat))
+            kept.append(Prompt(p.id, p.category, p.turns[:turns] if turns else p.turns, p.chat, p.schema))
     return kept
+
+
+def schema_valid(value, schema: dict) -> bool:
+    """Is `value` (parsed JSON) valid under `schema`, for the keywords the json suite uses (type,
+    properties, required, additionalProperties false, items, maxItems, enum, minimum, maximum,
+    maxLength)? Written apart from the grammar that constrained the answer: an independent check."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return (isinstance(value, dict) and all(k in value for k in schema.get("required", []))
+                and (schema.get("additionalProperties", True) is not False or set(value) <= set(props))
+                and all(schema_valid(v, props[k]) for k, v in value.items() if k in props))
+    if kind == "array":
+        return (isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
+                and all(schema_valid(v, schema.get("items", {})) for v in value))
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind in ("integer", "number"):
+        ok = isinstance(value, int) if kind == "integer" else isinstance(value, (int, float))
+        return (ok and not isinstance(value, bool) and schema.get("minimum", value) <= value
+                <= schema.get("maximum", value))
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return kind is None

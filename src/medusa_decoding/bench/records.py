@@ -31,14 +31,16 @@ class Record:
     token_ids: list[list[int]] = field(default_factory=list)  # per turn
     accepted_lengths: list[int] | None = None
     accepted_per_depth: list[int] | None = None
+    valid: bool | None = None  # every answer valid under the prompt's schema (None: the prompt has none)
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-# (input_ids [1, T], max_new_tokens, seed) -> Turn
-Generate = Callable[[torch.Tensor, int, int], Turn]
+# (input_ids [1, T], max_new_tokens, seed, grammar: config.Grammar | None) -> Turn; a method that
+# decodes under a grammar says so with an attribute `constrains = True`
+Generate = Callable[..., Turn]
 
 
 def sync(device: torch.device) -> None:

@@ -68,6 +68,11 @@ def identity_line(identity: dict) -> str:
     return f"token identity vs {REFERENCE}: " + ("; ".join(parts) if parts else "no method to compare")
 
 
+def validity_line(validity: dict) -> str:
+    """Answers valid under their prompt's JSON schema, per method."""
+    return "schema validity: " + "; ".join(f"{m} {v['valid']}/{v['checked']}" for m, v in validity.items())
+
+
 def write_report(path: Path, results: dict) -> None:
     out = [f"# medusa bench: {results['config']['model']}", ""]
     if "summary" in results:
@@ -95,7 +100,7 @@ def method_report(results: dict) -> list[str]:
            f"{results['machine']['device']}. Speed-ups: median of per-prompt ratios. {engine_line(results.get('engine'))}", "",
            "## Overall", "", markdown_table(OVERALL_HEADER, [[m] + method_row(summary["overall"][m], results["identity"].get(m))
                                                            for m in methods]), "",
-           identity_line(results["identity"]), ""]
+           identity_line(results["identity"]), ""] + ([validity_line(results["validity"]), ""] if results.get("validity") else [])
     if results.get("fitted_vs_shipped"):
         out += [fitted_line(results["fitted_vs_shipped"]), ""]
     for title, key, digits in (("Tokens/s (median over prompts)", "tokens_per_s", 1), ("Speed-up vs plain", "speedup_vs_plain", 2),
