@@ -65,9 +65,9 @@ def test_each_node_is_masked_by_its_own_paths_grammar_state(base, monkeypatch):
     assert spec.token_ids == plain.token_ids and spec.stats.mean_accepted_length > 2.5
 
     def root_state_only(self, tokens, tree):
-        bits = grammar_module._llguidance().torch.allocate_token_bitmask(tokens.numel(), self.vocab_size)
+        bits = grammar_module.new_bitmask(tokens.numel(), self.vocab_size)
         for i in range(tokens.numel()):
-            grammar_module._llguidance().torch.fill_next_token_bitmask(self.matcher, bits, i)
+            grammar_module.fill_mask(self.matcher, bits, i)
         return bits
 
     monkeypatch.setattr(grammar_module.RowGrammar, "masks", root_state_only)

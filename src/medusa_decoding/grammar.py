@@ -28,10 +28,11 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _llguidance():
+    # not llguidance.torch: importing it runs torch.compile on its masking kernel (~1.5 s of
+    # inductor, then gcc on first use); the bitmask is filled and applied here instead
     try:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
     except ImportError:
         raise MedusaError("structured outputs need llguidance: pip install llguidance") from None
     return llguidance
@@ -78,14 +79,13 @@ class RowGrammar:
         """tokens [N] long (the root emitted and consumed already) -> bitmask [N, W] int32: at each
         node, the tokens the grammar allows after the node's path. A node whose own token the grammar
         forbids (never accepted: its parent's mask excludes it) keeps its parent's mask."""
-        llg = _llguidance()
         n = tokens.numel()
         if self._bits is None or self._bits.shape[0] < n:
-            self._bits = llg.torch.allocate_token_bitmask(max(n, 8), self.vocab_size)
+            self._bits = new_bitmask(max(n, 8), self.vocab_size)
         bits = self._bits[:n]
         host = tokens.tolist()
         children = tree.children if n > 1 else ((),)
-        llg.torch.fill_next_token_bitmask(self.matcher, bits, 0)
+        fill_mask(self.matcher, bits, 0)
         stack = [(c, 0) for c in reversed(children[0])]  # (node, its parent), depth first
         depth_of = {0: 0}
         consumed = 0  # path tokens the matcher holds beyond the root
@@ -105,7 +105,7 @@ class RowGrammar:
                 raise MedusaError(f"the grammar's mask allowed token {token} and its matcher refused it")
             consumed += 1
             depth_of[node] = consumed
-            llg.torch.fill_next_token_bitmask(self.matcher, bits, node)
+            fill_mask(self.matcher, bits, node)
             stack.extend((c, node) for c in reversed(children[node]))
         if consumed:
             self.matcher.rollback(consumed)
@@ -124,9 +124,23 @@ class RowGrammar:
         return list(self.matcher.compute_ff_tokens())
 
 
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, W] int32, every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill_mask(matcher, bits: torch.Tensor, row: int) -> None:
+    """Row `row` of bits [N, W] int32 (CPU, contiguous) <- the tokens `matcher` allows next."""
+    v = bits[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
 def apply_masks(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] float32 (a copy: changed in place), bits [N, W] -> logits with every token the
-    grammar forbids at -inf (vocabulary entries past the tokenizer's are forbidden)."""
-    llg = _llguidance()
-    llg.torch.apply_token_bitmask_inplace(logits, bits.to(logits.device))
-    return logits
+    grammar forbids at -inf (vocabulary entries past the bitmask's are forbidden)."""
+    n, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.to(logits.device)[:, :, None] >> shifts) & 1).bool().reshape(n, -1)  # [N, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(n, vocab - allowed.shape[1])], 1)
+    return logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
