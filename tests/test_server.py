@@ -555,3 +555,26 @@ def test_structured_outputs_equal_generates_and_are_valid(server, medusa, stream
     error(httpx.post(url, json={**base, "structured_outputs": {"regex": "a", "choice": ["b"]}}), 400, "structured_outputs")
     error(httpx.post(url, json={**base, "response_format": {"type": "json_object"},
                                 "structured_outputs": {"regex": "a"}}), 400, "structured_outputs")
+
+
+def test_rows_with_and_without_a_grammar_share_steps_and_answer_as_alone(server, medusa):
+    """Concurrent requests, half under a JSON schema and half free, decoded in the same batched
+    steps: each answer equals its request decoded alone (generate)."""
+    from medusa_decoding.config import Grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    jobs = [(p, i % 2 == 0) for i, p in enumerate(PROMPTS * 2)]
+    wants = [medusa.generate(p, chat=False, max_new_tokens=20, grammar=Grammar("json_schema", json.dumps(schema))
+                             if constrained else None).text for p, constrained in jobs]
+
+    def ask(job):
+        prompt, constrained = job
+        extra = {"structured_outputs": {"json": schema}} if constrained else {}
+        return server.client().completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                                  extra_body=extra).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(ask, jobs))
+    assert got == wants
+    assert all(json.loads(t) for t, (_, constrained) in zip(got, jobs) if constrained)
