@@ -207,6 +207,19 @@ class _Seq:
     grammar: RowGrammar | None = None  # what its output must keep matching (None: free text)
 
 
+def scored_logits(logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers, sampling: SamplingConfig,
+                  history: History | None, grammar: RowGrammar | None) -> torch.Tensor:
+    """A row's logits [N, V] as its acceptance reads them: penalized where it asks (history), and each
+    node's masked by the grammar state its own path reaches (a copy: the raw logits stay for logprobs)."""
+    if history is not None:
+        logits = penalize(logits, tokens, tree, history, sampling)  # a float32 copy
+    elif grammar is not None:
+        logits = logits.float().clone()
+    if grammar is not None:
+        logits = apply_masks(logits, grammar.masks(tokens, tree))
+    return logits
+
+
 class Decoder:
     """Decode up to `max_batch_size` sequences together, one verification forward per step.
     Not thread-safe: one owner calls add / step / cancel."""
@@ -271,8 +284,8 @@ class Decoder:
         if request.sampling.seed is not None:
             generator = torch.Generator(device=logits.device).manual_seed(request.sampling.seed)
         history = History.start(ids, logits.shape[-1]) if request.sampling.penalized else None
-        first = _Seq(request, None, row, generator, None, set(), ids[-1], history, grammar)  # what _scored reads
-        scored = self._scored(first, logits[None], ids[-1:], self._root(logits.device))  # [1, V]
+        scored = scored_logits(logits[None], ids[-1:], self._root(logits.device), request.sampling, history,
+                               grammar)  # [1, V]
         root = accept(ids[-1:], scored, self._root(logits.device), request.sampling, generator).bonus
         if history is not None:
             history.emit(root.reshape(1))
@@ -315,7 +328,8 @@ class Decoder:
         logits, hidden = self.verifier.verify(rows, tokens, trees)  # [B, N, V], [B, N, D]
         # 3. accept: the longest path each row's base model agrees with (each node's logits
         # penalized with its own history where the row asks), plus the bonus token
-        results = [accept(t, self._scored(s, logits[b, : t.numel()], t, tree), tree, s.request.sampling, s.generator)
+        results = [accept(t, scored_logits(logits[b, : t.numel()], t, tree, s.request.sampling, s.history, s.grammar),
+                          tree, s.request.sampling, s.generator)
                    for b, (s, t, tree) in enumerate(zip(seqs, tokens, trees))]
         # 4. commit: keep each row's accepted path in the cache; the bonus is its next root
         self.verifier.commit(rows, [r.nodes for r in results])
@@ -390,18 +404,6 @@ class Decoder:
             for out in self.step():
                 tokens[out.id] += out.tokens
         return tokens
-
-    @staticmethod
-    def _scored(seq: _Seq, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
-        """A row's logits [N, V] as its acceptance reads them: penalized where it asks, and each node's
-        masked by the grammar state its own path reaches (a copy: the raw logits stay for logprobs)."""
-        if seq.history is not None:
-            logits = penalize(logits, tokens, tree, seq.history, seq.request.sampling)  # a float32 copy
-        elif seq.grammar is not None:
-            logits = logits.float().clone()
-        if seq.grammar is not None:
-            logits = apply_masks(logits, seq.grammar.masks(tokens, tree))
-        return logits
 
     def _root(self, device) -> TreeBuffers:
         if self._root_only is None:
