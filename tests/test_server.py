@@ -482,13 +482,21 @@ def test_logprobs_are_the_models_in_chat_and_completions(server, medusa, stream)
 
 def test_metrics_count_what_the_answers_say(medusa):
     """GET /metrics parses as Prometheus text, and its counters add up to the answers' own
-    figures: completion and prompt tokens, row steps, accepted candidates (streamed provenance)."""
+    figures: completion and prompt tokens, row steps, accepted candidates in total and per depth
+    (streamed provenance). The drafter proposes the first prompt's plain answer: deep paths accepted."""
+    from collections import Counter
+
     from prometheus_client.parser import text_string_to_metric_families
 
-    s = Server(create_app(medusa, max_batch_size=4, adaptive=False))
+    from test_engine import _Oracle
+
+    target = medusa.generate(PROMPTS[0], chat=False, max_new_tokens=40, use_medusa=False).token_ids
+    oracle = MedusaModel(medusa.base, medusa.tokenizer, heads=_Oracle(target), ngram=None, name=NAME)
+    s = Server(create_app(oracle, max_batch_size=4, adaptive=False))
     try:
         client = s.client()
         completion = prompt_tokens = steps = accepted = 0
+        depths = Counter()
         for i, prompt in enumerate(PROMPTS):
             chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6 + 4 * i, temperature=0,
                                                     stream=True, stream_options={"include_usage": True}))
@@ -497,6 +505,7 @@ def test_metrics_count_what_the_answers_say(medusa):
             extras = [c.model_extra.get("medusa") or {} for c in chunks]
             steps += next(e["steps"] for e in extras if "steps" in e)
             accepted += sum(t["depth"] > 0 for e in extras for t in e.get("tokens", []))
+            depths.update(t["depth"] for e in extras for t in e.get("tokens", []) if t["depth"] > 0)
         httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})
         r = httpx.get(f"{s.url}/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -507,8 +516,10 @@ def test_metrics_count_what_the_answers_say(medusa):
         assert value("medusa:prompt_tokens_total") == prompt_tokens
         assert value("medusa:row_steps_total") == steps
         assert value("medusa:spec_decode_num_accepted_tokens_total") == accepted
-        per_pos = sum(v for (name, _), v in samples.items() if name == "medusa:spec_decode_num_accepted_tokens_per_pos_total")
-        assert per_pos == accepted and value("medusa:spec_decode_num_draft_tokens_total") >= accepted
+        per_pos = {int(dict(labels)["position"]) + 1: v for (name, labels), v in samples.items()
+                   if name == "medusa:spec_decode_num_accepted_tokens_per_pos_total"}
+        assert per_pos == dict(depths) and max(depths) >= 3  # deep candidates were accepted, and counted there
+        assert sum(per_pos.values()) == accepted and value("medusa:spec_decode_num_draft_tokens_total") >= accepted
         drafts = value("medusa:spec_decode_num_drafts_total")
         assert abs(value("medusa:mean_accepted_length") - (1 + accepted / drafts)) < 1e-9
         assert value("medusa:requests_total", route="/v1/completions", status="200") == len(PROMPTS)

@@ -214,7 +214,7 @@ def scored_logits(logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers,
     if history is not None:
         logits = penalize(logits, tokens, tree, history, sampling)  # a float32 copy
     elif grammar is not None:
-        logits = logits.float().clone()
+        logits = logits.to(torch.float32, copy=True)
     if grammar is not None:
         logits = apply_masks(logits, grammar.masks(tokens, tree))
     return logits

@@ -216,19 +216,27 @@ def grammar_of(body: _Body) -> Grammar | None:
                                 f"{', '.join(map(str, outputs)) or 'none'}", param="structured_outputs",
                            code="unsupported_field")
         (key, value), = outputs.items()
-        ok = {"json": isinstance(value, (dict, str)), "json_object": value is True,
-              "regex": isinstance(value, str) and value, "grammar": isinstance(value, str) and value,
-              "choice": isinstance(value, list) and value and all(isinstance(c, str) for c in value)}[key]
-        if not ok:
+        fits, build = STRUCTURED[key]
+        if not fits(value):
             raise APIError(400, f"structured_outputs.{key}: not a valid value", param=f"structured_outputs.{key}")
-        grammar = (Grammar(GrammarKind.JSON_SCHEMA, value if isinstance(value, str) else json.dumps(value))
-                   if key == "json" else Grammar(GrammarKind.JSON_OBJECT) if key == "json_object" else
-                   Grammar(GrammarKind.REGEX, value) if key == "regex" else Grammar(GrammarKind.LARK, value)
-                   if key == "grammar" else Grammar(GrammarKind.REGEX, "|".join(map(re.escape, value))))
+        grammar = build(value)
     return grammar
 
 
-STRUCTURED = ("json", "json_object", "regex", "grammar", "choice")
+def _text(v) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+# the structured_outputs extension (vLLM's names): key -> (is the value one it takes?, its Grammar)
+STRUCTURED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Grammar]]] = {
+    "json": (lambda v: isinstance(v, (dict, str)),
+             lambda v: Grammar(GrammarKind.JSON_SCHEMA, v if isinstance(v, str) else json.dumps(v))),
+    "json_object": (lambda v: v is True, lambda v: Grammar(GrammarKind.JSON_OBJECT)),
+    "regex": (_text, lambda v: Grammar(GrammarKind.REGEX, v)),
+    "grammar": (_text, lambda v: Grammar(GrammarKind.LARK, v)),
+    "choice": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(c, str) for c in v),
+               lambda v: Grammar(GrammarKind.REGEX, "|".join(map(re.escape, v)))),
+}
 
 FIELDS = set(CompletionBody.model_fields) | set(ChatBody.model_fields) | set(ChatMessage.model_fields)
 
