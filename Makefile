@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+vllm: setup
+	@# vLLM in a virtual environment of its own (it pins its own torch): the bench's vllm methods and
+	@# scripts/vllm_check.py run it there. Not part of `make test`: its check takes minutes.
+	$(BIN)/python -c "from medusa_decoding.bench.vllm_methods import setup_env; print(setup_env())"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -2,6 +2,7 @@
 
 import json
 import random
+import sys
 
 import pytest
 
@@ -213,6 +214,15 @@ def test_accepted_length_histogram_and_depths():
     assert fig["acceptance_per_depth"] == pytest.approx([0.75, 0.5, 0.25])
 
 
+def test_another_engines_step_counts_give_its_accepted_length():
+    """vLLM reports steps that verified a draft and the tokens they emitted, not per-step lengths."""
+    records = [rec("a", "vllm-medusa", 1, steps=10, step_tokens=25), rec("b", "vllm-medusa", 1, steps=30, step_tokens=45),
+               rec("a", "vllm", 1)]
+    fig = summarize(records, ["vllm-medusa", "vllm"], ["c"])["overall"]
+    assert fig["vllm-medusa"]["mean_accepted_length"] == pytest.approx(70 / 40)
+    assert "mean_accepted_length" not in fig["vllm"]
+
+
 def test_identity_check_reports_the_first_mismatch():
     same = [[5, 6, 7], [8, 9]]
     records = [
@@ -273,7 +283,11 @@ def test_humaneval_prompts_only():
     (["--methods", "plain@compiled", "--compile"], "run eager beside it"),
     (["--methods", "plain,hf-pld@stock"], "@stock is for our engine's methods"),
     (["--methods", "plain,llama.cpp@exact"], "@exact is for our engine's methods"),
-    (["--methods", "plain,llama.cpp", "-t", "0.7"], "plain greedy decoding: run it at temperature 0"),
+    (["--methods", "plain,llama.cpp", "-t", "0.7"], "llama.cpp decodes greedily here: run it at temperature 0"),
+    (["--methods", "plain,vllm-ngram", "-t", "0.7"], "vllm-ngram decodes greedily here: run it at temperature 0"),
+    (["--methods", "plain,vllm@compiled"], "vllm@compiled: @compiled is for our engine's methods"),
+    (["--methods", "plain,vllm", "--vllm-python", "/no/such/python"], "vLLM is not set up: no /no/such/python; run make vllm"),
+    (["--methods", "plain,vllm-medusa", "--vllm-python", "SELF"], "cannot import vllm"),
     (["--methods", "plain,llama.cpp"], "decodes a GGUF file: pass --model FILE.gguf"),
     (["--methods", "plain,medusa@shipped"], "@shipped is for default, hydra, eagle"),
     (["--calibration", "never"], "unknown calibration 'never'"),
@@ -303,6 +317,10 @@ def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, setup, args, messa
         monkeypatch.setenv("MEDUSA_SPEC_BENCH", "/no/such/question.jsonl")
     if "--no-spec-bench-env" in args:
         monkeypatch.delenv("MEDUSA_SPEC_BENCH", raising=False)
+    if "--vllm-python" in args:  # an interpreter without vLLM (this one), or none
+        python = args[args.index("--vllm-python") + 1]
+        monkeypatch.setenv("MEDUSA_VLLM_PYTHON", sys.executable if python == "SELF" else python)
+        args = args[:args.index("--vllm-python")]
     if "--prompts" not in args and "--suite" not in args:
         argv += ["--prompts", data / "prompts.jsonl"]
     subst = {"BAD": data / "bad.jsonl", "GOOD": data / "prompts.jsonl", "SMALL": data / "small.json"}

@@ -382,26 +382,27 @@ def _calibrate_drafter(m, texts: list[str], max_new_tokens: int, heads: Path, ou
 
 @app.command()
 def export(
-    heads: Path = typer.Argument(..., help="Heads folder (ours, or FasterDecoding Medusa)."),
+    heads: Path = typer.Argument(..., help="A drafter's checkpoint folder (Medusa heads: ours or FasterDecoding's)."),
     out: Path = typer.Argument(..., help="Folder to write."),
-    format: str = typer.Option("vllm", "--format", help="vllm: vLLM's Medusa speculator format."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Base model, for heads that share its LM head."),
+    format: str = typer.Option("vllm", "--format", help="vllm: vLLM's Medusa speculator (residual Medusa heads); speculators, sglang: EAGLE-3 drafters."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="The base model the drafter was trained on."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16; default: the checkpoint's own."),
 ) -> None:
-    """Write heads in another project's format (vLLM's Medusa speculator)."""
-    from .heads import MedusaHeads
-    from .interop import export_vllm
-    from .models import load_base
+    """Write a drafter in another engine's format, for vLLM to serve (docs/VLLM.md)."""
+    import torch
 
-    if format != "vllm":
-        fail(f"unknown format {format!r}; use vllm")
-    loaded = MedusaHeads.from_pretrained(heads)
-    lm_weight = None
-    if loaded.config.shared_lm_head:
-        base, _, _ = load_base(model, dtype="float32", device="cpu")
-        loaded.check_fits(base)
-        lm_weight = base.get_output_embeddings().weight
-    export_vllm(loaded, out, lm_weight)
-    typer.echo(f"wrote {out}/config.json and model.safetensors ({loaded.config.medusa_num_heads} heads)", err=True)
+    from .models import load_base
+    from .proposers import EXPORT_FORMATS, export as export_drafter
+
+    if format not in EXPORT_FORMATS:
+        fail(f"unknown format {format!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        fail(f"--dtype {dtype}: use float32, bfloat16 or float16")
+    if not heads.is_dir():
+        fail(f"{heads}: no such folder")
+    base, _, _ = load_base(model, dtype="float32", device="cpu")
+    kind = export_drafter(heads, base, format, out, getattr(torch, dtype) if dtype else None)
+    typer.echo(f"wrote {out}: {kind} drafter in the {format} format", err=True)
 
 
 @app.command()
@@ -480,7 +481,7 @@ def bench(
     heads: Optional[Path] = HeadsOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL in Spec-Bench's format: question_id, category, turns; an optional \"schema\" (a JSON schema) decodes that prompt's answers under it."),
     suite: Optional[str] = typer.Option(None, "--suite", help="builtin (the default: 3 prompts for each of Spec-Bench's 13 categories, shipped with the package), json (24 extraction and generation prompts, each decoded under its JSON schema; schema validity reported), spec-bench (the file $MEDUSA_SPEC_BENCH names), humaneval or sharegpt (held-out first turns)."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp (default: plain,default,hf,hf-pld)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: plain, default (what generate runs with no method options), medusa, dynamic, hydra, eagle, hf, hf-pld; plain/medusa/dynamic/hydra/eagle+ngram add an n-gram branch (from the context, else from --datastore when given); default/hydra/eagle@shipped keep the checkpoint's own budget; @exact runs one in exact mode, @compiled on the saved compiled graphs, @stock eager on the stock linear layers (no prepacked weights); llama.cpp: the same GGUF decoded by llama.cpp; vllm, vllm-ngram, vllm-medusa: vLLM on the same model, plain, with its n-gram speculation, with the Medusa heads exported (make vllm first; docs/VLLM.md) (default: plain,default,hf,hf-pld)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram-length", help="Tokens of the n-gram branch of +ngram methods."),
     copy_run: int = typer.Option(NgramConfig.copy_run, "--ngram-copy-run", help="Chain tokens accepted in a step after which the n-gram chain is verified alone (copy steps); 0: never, the chain beside every tree."),
     datastore: Optional[Path] = DatastoreOpt,

@@ -4,9 +4,13 @@
   base_model_name_or_path; weights in medusa_lm_head.pt or .safetensors with keys
   `{head}.{layer}.linear.weight|bias` and `{head}.{num_layers}.weight` (an LM head per head).
   Their configs often under-state the number of heads stored: the weights decide.
-- vLLM's Medusa speculator (write and read): config.json with model_type "medusa",
-  architectures ["MedusaModel"], num_heads, num_hidden_layers, hidden_size, vocab_size,
-  truncated_vocab_size; weights `blocks.{i}.layers.{j}.weight|bias` and `lm_heads.{i}.weight`.
+- vLLM's Medusa speculator (write and read; vllm/model_executor/models/medusa.py): config.json
+  with model_type "medusa", architectures ["MedusaModel"], num_heads, num_hidden_layers,
+  hidden_size, vocab_size, truncated_vocab_size, medusa_fc_bias (the blocks' linears have biases;
+  vLLM's default is none, and its loader silently drops weights it has no parameter for, so a
+  head written without it loses its biases), original_lm_head (every head reads one LM head,
+  stored once as `lm_heads.0.weight`); weights `blocks.{i}.layers.{j}.weight|bias` and
+  `lm_heads.{i}.weight`. Each block is x + SiLU(W x + b): Medusa's ResBlock, nothing else.
 """
 
 from __future__ import annotations
@@ -63,28 +67,37 @@ def load_vllm(path: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
     """vLLM's Medusa speculator format -> our heads config and state dict (own LM heads)."""
     raw = json.loads((path / "config.json").read_text())
     state = load_file(path / "model.safetensors")
-    config = HeadsConfig(medusa_num_heads=raw["num_heads"], medusa_num_layers=raw["num_hidden_layers"],
-                         hidden_size=raw["hidden_size"], vocab_size=raw["vocab_size"], shared_lm_head=False,
-                         base_model_name_or_path=raw.get("base_model_name_or_path", ""))
+    heads, layers, d = raw["num_heads"], raw["num_hidden_layers"], raw["hidden_size"]
+    config = HeadsConfig(medusa_num_heads=heads, medusa_num_layers=layers, hidden_size=d, vocab_size=raw["vocab_size"],
+                         shared_lm_head=False, base_model_name_or_path=raw.get("base_model_name_or_path", ""))
     if raw.get("truncated_vocab_size", raw["vocab_size"]) != raw["vocab_size"]:
         raise MedusaError("vLLM heads with a truncated vocabulary are not supported")
     ours = {}
     for k, v in state.items():
         if m := re.match(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$", k):
+            if m.group(3) == "bias" and not raw.get("medusa_fc_bias", False):
+                continue  # vLLM would not read it either
             ours[f"blocks.{m.group(1)}.{m.group(2)}.linear.{m.group(3)}"] = v
         elif m := re.match(r"^lm_heads\.(\d+)\.weight$", k):
             ours[f"lm_heads.{m.group(1)}.weight"] = v
         else:
             raise MedusaError(f"unexpected key {k} in {path / 'model.safetensors'}")
+    for i in range(heads):
+        if raw.get("original_lm_head", False):  # one LM head for every head
+            ours[f"lm_heads.{i}.weight"] = ours["lm_heads.0.weight"]
+        for j in range(layers):
+            ours.setdefault(f"blocks.{i}.{j}.linear.bias", torch.zeros(d))
     return config, {k: v.float() for k, v in ours.items()}
 
 
-def export_vllm(heads, out: Path, lm_head_weight: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write heads in vLLM's Medusa format. Shared-LM-head heads need the base's LM head weight
-    [V, D]: vLLM gives every head its own, so it is copied per head."""
+def export_vllm(heads, out: Path, lm_head_weight: torch.Tensor | None, dtype: torch.dtype | None = None) -> None:
+    """Write heads in vLLM's Medusa format (dtype: the heads' own when None). Heads that share the
+    base's LM head need its weight [V, D]: it is stored once, read by every head (original_lm_head)."""
     cfg = heads.config
     if cfg.medusa_inner_size:
-        raise MedusaError("vLLM's Medusa format holds only x + SiLU(W x + b) blocks; these heads use MLP blocks")
+        raise MedusaError(
+            f"vLLM's Medusa format holds only residual blocks x + SiLU(W x + b); these heads use MLP blocks "
+            f"(inner size {cfg.medusa_inner_size}): train residual heads (medusa train --inner-size 0)")
     if cfg.shared_lm_head and lm_head_weight is None:
         raise MedusaError("these heads share the base LM head: exporting to vLLM needs the base model (--model)")
     state = {}
@@ -92,12 +105,17 @@ def export_vllm(heads, out: Path, lm_head_weight: torch.Tensor | None, dtype: to
         for j, block in enumerate(head):
             state[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight
             state[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias
-        lm = lm_head_weight if cfg.shared_lm_head else heads.lm_heads[i].weight
-        state[f"lm_heads.{i}.weight"] = lm
+        if not cfg.shared_lm_head:
+            state[f"lm_heads.{i}.weight"] = heads.lm_heads[i].weight
+    if cfg.shared_lm_head:
+        state["lm_heads.0.weight"] = lm_head_weight
+    dtype = dtype or next(heads.parameters()).dtype
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu", dtype).clone() for k, v in state.items()}, out / "model.safetensors")
+    save_file({k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()},
+              out / "model.safetensors")
     (out / "config.json").write_text(json.dumps({
         "model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.medusa_num_heads,
         "num_hidden_layers": cfg.medusa_num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-        "truncated_vocab_size": cfg.vocab_size, "base_model_name_or_path": cfg.base_model_name_or_path,
+        "truncated_vocab_size": cfg.vocab_size, "medusa_fc_bias": True, "original_lm_head": cfg.shared_lm_head,
+        "base_model_name_or_path": cfg.base_model_name_or_path,
     }, indent=2) + "\n")

@@ -194,9 +194,13 @@ def use_fast_attention(model, exact: bool = False) -> str:
     return model.config._attn_implementation
 
 
+RESIDUAL_HEADS = "medusa-residual"  # shipped_drafter's name for the residual Medusa heads (docs/VLLM.md)
+
+
 def shipped_drafter(alias: str, kind: str | None = None) -> Path | None:
     """The drafter shipped inside the package for a built-in model, if any: Medusa heads in
-    weights/<alias>/, other kinds in weights/<alias>/<kind>/. kind None: the default one
+    weights/<alias>/, other kinds in weights/<alias>/<kind>/, and RESIDUAL_HEADS, the Medusa heads
+    that vLLM's format holds, in weights/<alias>/medusa-residual/. kind None: the default one
     (weights/<alias>/default.txt names it; Medusa heads without it)."""
     if alias not in BUILTIN_MODELS:
         return None

@@ -112,7 +112,8 @@ EXACT, COMPILED, STOCK = "@exact", "@compiled", "@stock"  # run modes of our eng
 AT_SHIPPED = "@shipped"  # a drafter's budget as the checkpoint ships it, not fitted to this machine
 ENGINE_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle")  # our engine's methods
 FITTED_KINDS = ("default", "hydra", "eagle")  # those whose drafter budget is fitted to the machine
-FOREIGN_KINDS = ("hf", "hf-pld", "llama.cpp")  # methods that are not our engine
+VLLM_KINDS = ("vllm", "vllm-ngram", "vllm-medusa")  # vLLM plain, with n-gram speculation, with our Medusa heads
+FOREIGN_KINDS = ("hf", "hf-pld", "llama.cpp", *VLLM_KINDS)  # methods that are not our engine
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def parse_method(name: str) -> Method:
     kind, plus, suffix = rest.partition("+")
     usage = (f"use a comma-separated list of {', '.join(ENGINE_KINDS + FOREIGN_KINDS)}, "
              f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {AT_SHIPPED}; "
-             f"any but hf*/llama.cpp with {EXACT}, {COMPILED} or {STOCK}")
+             f"any of our engine's with {EXACT}, {COMPILED} or {STOCK}")
     if kind not in ENGINE_KINDS + FOREIGN_KINDS or (plus and (f"+{suffix}" != NGRAM or kind in FOREIGN_KINDS or kind == "default")):
         raise MedusaError(f"unknown method {name!r}; {usage}")
     if shipped and kind not in FITTED_KINDS:

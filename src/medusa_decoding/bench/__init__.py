@@ -61,7 +61,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": asdict(cfg) | {"out": str(out)}, "machine": machine_info(model), "prompts": len(prompts)}
     if methods:
-        results |= compare_methods(cfg, model, methods, prompts)
+        try:
+            results |= compare_methods(cfg, model, methods, prompts)
+        finally:  # methods that run another engine in its own process (vLLM) end it
+            for generate in methods.values():
+                getattr(generate, "close", lambda: None)()
     if cfg.batch_sizes:
         results["batch"] = run_batch_bench(cfg, model, default, prompts)
     results["plots"] = write_plots(out, results)

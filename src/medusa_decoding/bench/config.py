@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
-from ..spec import ENGINE_KINDS, EXACT, FOREIGN_KINDS, SHIPPED, DecodeSpec, Method, parse_method
+from ..spec import ENGINE_KINDS, EXACT, FOREIGN_KINDS, SHIPPED, VLLM_KINDS, DecodeSpec, Method, parse_method
 from .prompts import SUITES
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -16,6 +16,8 @@ log = logging.getLogger("medusa_decoding.bench")
 DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 LLAMACPP = "llama.cpp"  # plain greedy decoding of the same GGUF by llama.cpp: speed-ups against it too, when run
+VLLM = VLLM_KINDS[0]  # vLLM's plain decoding of the same model: speed-ups against it too, when run
+OTHER_ENGINES = (LLAMACPP, VLLM)  # references reported only in a run that has them
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
 
@@ -70,8 +72,8 @@ class BenchConfig:
                 raise MedusaError(f"{method.name}: {EXACT} is for our engine's methods, which it runs eager (no --compile)")
             if method.mode and self.compile:
                 raise MedusaError(f"{method.name}: {method.mode} is for our engine's methods run eager beside it (no --compile)")
-            if method.kind == LLAMACPP and self.temperature > 0:
-                raise MedusaError(f"method {LLAMACPP} is plain greedy decoding: run it at temperature 0")
+            if method.kind in (LLAMACPP, *VLLM_KINDS) and self.temperature > 0:
+                raise MedusaError(f"method {method.kind} decodes greedily here: run it at temperature 0")
         self.calibration = CalibrationMode.parse(self.calibration).value
         if self.datastore is not None and not Path(self.datastore).expanduser().is_file():
             raise MedusaError(f"--datastore {self.datastore}: no such file (medusa datastore writes one)")

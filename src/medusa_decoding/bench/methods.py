@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..config import CONFIG_NAME, DrafterKind, MedusaError
 from ..kernels.attention import register_attention
-from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, DecodeSpec, parse_method
+from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, VLLM_KINDS, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
 from .prompts import Prompt, schema_valid
 from .records import Generate, Record, Turn, sync
@@ -129,6 +129,9 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
             record.accepted_lengths = (record.accepted_lengths or []) + turn.accepted_lengths
             depth = record.accepted_per_depth or [0] * len(turn.accepted_per_depth)
             record.accepted_per_depth = [a + b for a, b in zip(depth, turn.accepted_per_depth)]
+        if turn.steps is not None:
+            record.steps = (record.steps or 0) + turn.steps
+            record.step_tokens = (record.step_tokens or 0) + turn.step_tokens
     return record
 
 
@@ -148,7 +151,7 @@ def build_methods(cfg: BenchConfig):
     MedusaModel or None). Each method of our engine is its name's DecodeSpec (spec.parse_method),
     assembled by the library on the shared base and backend (compiled graphs too)."""
     from ..engine import MedusaModel
-    from ..models import shipped_drafter
+    from ..models import model_folder, shipped_drafter
     from ..tree import load_tree_file
 
     asked = [] if cfg.batch_only else cfg.methods_asked
@@ -175,6 +178,14 @@ def build_methods(cfg: BenchConfig):
 
         gguf = llamacpp.gguf_file(cfg.model)
         llamacpp._import()
+    vllm_heads = None
+    if any(m.kind in VLLM_KINDS for m in asked):
+        from . import vllm_methods
+
+        if (why := vllm_methods.available()) is not None:
+            raise MedusaError(f"methods {', '.join(m.name for m in asked if m.kind in VLLM_KINDS)}: {why}")
+        if any(m.kind == vllm_methods.VLLM_MEDUSA for m in asked):
+            vllm_heads = vllm_methods.medusa_folder(cfg.heads, cfg.model)
     shared = cfg.spec()
     base = MedusaModel.from_pretrained(cfg.model, DecodeSpec.plain(compile=shared.compile, exact=False),
                                        dtype=cfg.dtype, device=cfg.device)
@@ -199,6 +210,9 @@ def build_methods(cfg: BenchConfig):
 
     methods: dict[str, Generate] = {}  # in the order asked
     for m in asked:
+        if m.kind in VLLM_KINDS:
+            methods[m.name] = vllm_methods.vllm_method(m.kind, base, model_folder(cfg.model), vllm_heads, cfg.ngram())
+            continue
         if not m.engine:
             methods[m.name] = (llamacpp.llamacpp_method(base, gguf) if m.kind == LLAMACPP else
                                hf_method(base, cfg.temperature, PLD_TOKENS if m.kind == "hf-pld" else None))

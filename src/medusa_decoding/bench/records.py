@@ -16,6 +16,10 @@ class Turn:
     wall_s: float
     accepted_lengths: list[int] | None = None  # our engine only: tokens per step, bonus included
     accepted_per_depth: list[int] | None = None
+    # another engine's counts, where it keeps no per-step lengths (vLLM): steps that verified a
+    # draft, and the tokens those steps emitted (bonus included)
+    steps: int | None = None
+    step_tokens: int | None = None
 
 
 @dataclass
@@ -31,6 +35,8 @@ class Record:
     token_ids: list[list[int]] = field(default_factory=list)  # per turn
     accepted_lengths: list[int] | None = None
     accepted_per_depth: list[int] | None = None
+    steps: int | None = None  # Turn.steps and step_tokens, summed over the turns
+    step_tokens: int | None = None
     valid: bool | None = None  # every answer valid under the prompt's schema (None: the prompt has none)
 
     @property

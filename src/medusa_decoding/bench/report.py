@@ -30,10 +30,11 @@ def method_row(fig: dict, identity: dict | None) -> list[str]:
     same = "-" if not identity or not identity.get("compared") else f"{identity['compared'] - identity['differ']}/{identity['compared']}"
     return [_fmt(t["median"], 1), f"{_fmt(t['q1'], 1)}-{_fmt(t['q3'], 1)}",
             _fmt(fig["speedup_vs_plain"]["median"], 2, "x"), _fmt(fig["speedup_vs_hf"]["median"], 2, "x"),
-            _fmt(fig.get("speedup_vs_llama.cpp", {}).get("median"), 2, "x"), _fmt(fig.get("mean_accepted_length")), same]
+            _fmt(fig.get("speedup_vs_llama.cpp", {}).get("median"), 2, "x"),
+            _fmt(fig.get("speedup_vs_vllm", {}).get("median"), 2, "x"), _fmt(fig.get("mean_accepted_length")), same]
 
 
-OVERALL_HEADER = ["method", "tok/s", "IQR", "vs plain", "vs hf", "vs llama.cpp", "tau", "identical"]
+OVERALL_HEADER = ["method", "tok/s", "IQR", "vs plain", "vs hf", "vs llama.cpp", "vs vllm", "tau", "identical"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -105,9 +106,9 @@ def method_report(results: dict) -> list[str]:
         out += [fitted_line(results["fitted_vs_shipped"]), ""]
     for title, key, digits in (("Tokens/s (median over prompts)", "tokens_per_s", 1), ("Speed-up vs plain", "speedup_vs_plain", 2),
                                ("Speed-up vs hf", "speedup_vs_hf", 2), ("Speed-up vs llama.cpp", "speedup_vs_llama.cpp", 2),
-                               ("Mean accepted length (tau)", None, 2)):
+                               ("Speed-up vs vLLM", "speedup_vs_vllm", 2), ("Mean accepted length (tau)", None, 2)):
         if key is not None and not any(key in summary["overall"][m] for m in methods):
-            continue  # no llama.cpp in this run
+            continue  # no llama.cpp or vLLM in this run
         rows = [[c] + [_fmt(summary[c][m].get("mean_accepted_length") if key is None else summary[c][m].get(key, {}).get("median"),
                             digits) for m in methods] for c in cats]
         out += [f"## {title}", "", markdown_table(["category", *methods], rows), ""]

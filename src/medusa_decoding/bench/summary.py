@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from ..spec import AT_SHIPPED
-from .config import BASELINE, LLAMACPP, REFERENCE
+from .config import BASELINE, OTHER_ENGINES, REFERENCE
 from .records import Record
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -75,9 +75,9 @@ def summarize_group(records: list[Record], method: str) -> dict:
     for r in mine:
         tps.setdefault(r.prompt, []).append(r.tokens_per_s)
     out = {"prompts": len(tps), "tokens_per_s": _spread([float(np.median(v)) for v in tps.values()])}
-    for ref in (REFERENCE, BASELINE, LLAMACPP):
+    for ref in (REFERENCE, BASELINE, *OTHER_ENGINES):
         ratios = list(per_prompt_speedups(records, method, ref).values()) if method != ref else []
-        if ref != LLAMACPP or ratios:  # llama.cpp: only in a run that has it
+        if ref not in OTHER_ENGINES or ratios:  # llama.cpp, vLLM: only in a run that has them
             out[f"speedup_vs_{ref}"] = _spread(ratios)
     lengths = [n for r in mine for n in (r.accepted_lengths or [])]
     if lengths:
@@ -86,6 +86,9 @@ def summarize_group(records: list[Record], method: str) -> dict:
         out["mean_accepted_length"] = sum(lengths) / steps
         out["accepted_length_hist"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         out["acceptance_per_depth"] = [d / steps for d in depth]
+    counted = [r for r in mine if r.steps]
+    if not lengths and counted:  # another engine's counts (vLLM): tokens per step that verified a draft
+        out["mean_accepted_length"] = sum(r.step_tokens for r in counted) / sum(r.steps for r in counted)
     return out
 
 

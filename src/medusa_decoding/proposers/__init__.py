@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -148,6 +148,16 @@ class DrafterSpec:
     wrap: Callable
     # (TrainConfig) -> a training.Trainer: how `medusa train` trains this kind (None: it does not train)
     trainer: Callable | None = None
+    # format (one of EXPORT_FORMATS) -> (folder, base model, out folder, dtype | None): writes the
+    # checkpoint for another engine (`medusa export`)
+    exports: dict[str, Callable] = field(default_factory=dict)
+    # why a format it lacks cannot hold this kind, for the refusal
+    no_export: str = ""
+
+
+# other engines' checkpoint formats: vllm (vLLM's Medusa speculator), speculators (vLLM's EAGLE-3
+# drafters, from the `speculators` project), sglang (SGLang's EAGLE-3 drafters)
+EXPORT_FORMATS = ("vllm", "speculators", "sglang")
 
 
 REGISTRY: dict[str, DrafterSpec] = {}
@@ -186,6 +196,20 @@ def trainer_for(kind: str) -> Callable:
         raise MedusaError(f"drafter {kind!r} has no training recipe; trainable: "
                           + ", ".join(sorted(k for k, s in REGISTRY.items() if s.trainer is not None)))
     return spec.trainer
+
+
+def export(folder: str | Path, base_model, fmt: str, out: str | Path, dtype: torch.dtype | None = None) -> str:
+    """Write the checkpoint in `folder` in another engine's format `fmt` to `out` -> its kind; a
+    kind without that format is refused, saying why."""
+    if fmt not in EXPORT_FORMATS:
+        raise MedusaError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    kind = checkpoint_kind(folder)
+    spec = spec_for(kind)
+    if fmt not in spec.exports:
+        has = f"it exports to {', '.join(spec.exports)} only" if spec.exports else "it has no export"
+        raise MedusaError(f"a {kind} drafter cannot be written in the {fmt} format ({has}): {spec.no_export}")
+    spec.exports[fmt](Path(folder).expanduser(), base_model, Path(out), dtype)
+    return kind
 
 
 def load(folder: str | Path, base_model):

@@ -245,4 +245,10 @@ class EagleTrainer(Trainer):
         return {"recipe": self.cfg.recipe}
 
 
-register(DrafterKind.EAGLE, DrafterSpec(load=load, wrap=EagleDrafter, trainer=EagleTrainer))
+NO_EXPORT = ("this drafter's layer is not the layout vLLM and SGLang run: it mixes [feature ; embedding] by a "
+             "linear with a bias and feeds a stock decoder layer (its input norm included); vLLM's EAGLE-1 layer has "
+             "no bias and no input norm, and EAGLE-3's normalises the embedding and the feature apart and "
+             "concatenates them into attention, so no exact conversion exists (docs/VLLM.md)")
+
+
+register(DrafterKind.EAGLE, DrafterSpec(load=load, wrap=EagleDrafter, trainer=EagleTrainer, no_export=NO_EXPORT))

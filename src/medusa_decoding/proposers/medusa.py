@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEFAULT_TREE, DYNAMIC_BUDGET, DYNAMIC_DEPTH, DYNAMIC_WIDTH, DrafterKind, MedusaError
+from .. import interop
 from ..heads import MedusaHeads
 from ..tree import (DynamicTree, TreeBuffers, build_tree, dynamic_tree, load_tree_file, select_tree, tree_tokens,
                     validate_paths)
@@ -175,4 +176,14 @@ class MedusaTrainer(PositionTrainer):
         return self.cfg.train_vocab if self.cfg.train_vocab and not self.cfg.own_lm_head else 0
 
 
-register(DrafterKind.MEDUSA, DrafterSpec(load=load, wrap=MedusaDrafter, trainer=MedusaTrainer))
+def export_vllm(folder: Path, base_model, out: Path, dtype: torch.dtype | None) -> None:
+    """Residual heads -> vLLM's Medusa speculator (interop.py), the base's LM head stored with them."""
+    heads = MedusaHeads.from_pretrained(folder)
+    heads.check_fits(base_model)
+    lm = base_model.get_output_embeddings().weight if heads.config.shared_lm_head else None
+    interop.export_vllm(heads, out, lm, dtype)
+
+
+register(DrafterKind.MEDUSA, DrafterSpec(
+    load=load, wrap=MedusaDrafter, trainer=MedusaTrainer, exports={"vllm": export_vllm},
+    no_export="vLLM's Medusa format is the one other engines read for Medusa heads (--format vllm)"))
