@@ -21,8 +21,9 @@ from pathlib import Path
 
 from medusa_decoding.bench import run_bench
 from medusa_decoding.bench.config import BenchConfig
-from medusa_decoding.bench.vllm_methods import VLLM, VLLM_MEDUSA, medusa_folder, setup_env
+from medusa_decoding.bench.vllm_methods import medusa_folder, setup_env
 from medusa_decoding.config import DEFAULT_MODEL
+from medusa_decoding.spec import VLLM, VLLM_MEDUSA
 
 
 def chain_tree(depth: int, out: Path) -> Path:

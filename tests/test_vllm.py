@@ -11,11 +11,11 @@ import json
 import pytest
 
 from medusa_decoding.bench.prompts import BUILTIN, load_suite
-from medusa_decoding.bench.vllm_methods import PYTHON_VAR, VLLM_MEDUSA, Worker, available, env_python, speculative_config
+from medusa_decoding.bench.vllm_methods import PYTHON_VAR, Worker, available, env_python, speculative_config
 from medusa_decoding.config import NgramConfig
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import RESIDUAL_HEADS, model_folder, shipped_drafter
-from medusa_decoding.spec import DecodeSpec
+from medusa_decoding.spec import VLLM_MEDUSA, DecodeSpec
 
 ALIAS = "smollm2-135m-instruct"
 PYTHON = env_python()  # the user's, found before the suite points $MEDUSA_CACHE at a fresh folder

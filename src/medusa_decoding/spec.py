@@ -112,7 +112,8 @@ EXACT, COMPILED, STOCK = "@exact", "@compiled", "@stock"  # run modes of our eng
 AT_SHIPPED = "@shipped"  # a drafter's budget as the checkpoint ships it, not fitted to this machine
 ENGINE_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle")  # our engine's methods
 FITTED_KINDS = ("default", "hydra", "eagle")  # those whose drafter budget is fitted to the machine
-VLLM_KINDS = ("vllm", "vllm-ngram", "vllm-medusa")  # vLLM plain, with n-gram speculation, with our Medusa heads
+VLLM, VLLM_NGRAM, VLLM_MEDUSA = "vllm", "vllm-ngram", "vllm-medusa"  # vLLM plain, its n-gram speculation, our heads
+VLLM_KINDS = (VLLM, VLLM_NGRAM, VLLM_MEDUSA)
 FOREIGN_KINDS = ("hf", "hf-pld", "llama.cpp", *VLLM_KINDS)  # methods that are not our engine
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, MedusaError, NgramConfig, SamplingConfig
-from ..spec import ENGINE_KINDS, EXACT, FOREIGN_KINDS, SHIPPED, VLLM_KINDS, DecodeSpec, Method, parse_method
+from ..spec import ENGINE_KINDS, EXACT, FOREIGN_KINDS, SHIPPED, VLLM, VLLM_KINDS, DecodeSpec, Method, parse_method
 from .prompts import SUITES
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -16,8 +16,7 @@ log = logging.getLogger("medusa_decoding.bench")
 DEFAULT_METHODS = "plain,default,hf,hf-pld"
 REFERENCE, BASELINE = "plain", "hf"  # speed-ups are reported against both
 LLAMACPP = "llama.cpp"  # plain greedy decoding of the same GGUF by llama.cpp: speed-ups against it too, when run
-VLLM = VLLM_KINDS[0]  # vLLM's plain decoding of the same model: speed-ups against it too, when run
-OTHER_ENGINES = (LLAMACPP, VLLM)  # references reported only in a run that has them
+OTHER_ENGINES = (LLAMACPP, VLLM)  # llama.cpp's and vLLM's plain decoding: speed-ups against them too, when run
 PLD_TOKENS = 10  # transformers' prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
 

@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..config import CONFIG_NAME, DrafterKind, MedusaError
 from ..kernels.attention import register_attention
-from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, VLLM_KINDS, DecodeSpec, parse_method
+from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, VLLM_KINDS, VLLM_MEDUSA, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
 from .prompts import Prompt, schema_valid
 from .records import Generate, Record, Turn, sync
@@ -184,7 +184,7 @@ def build_methods(cfg: BenchConfig):
 
         if (why := vllm_methods.available()) is not None:
             raise MedusaError(f"methods {', '.join(m.name for m in asked if m.kind in VLLM_KINDS)}: {why}")
-        if any(m.kind == vllm_methods.VLLM_MEDUSA for m in asked):
+        if any(m.kind == VLLM_MEDUSA for m in asked):
             vllm_heads = vllm_methods.medusa_folder(cfg.heads, cfg.model)
     shared = cfg.spec()
     base = MedusaModel.from_pretrained(cfg.model, DecodeSpec.plain(compile=shared.compile, exact=False),

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import MedusaError, NgramConfig
+from ..config import DrafterKind, MedusaError, NgramConfig
 from ..platform import cache_dir
-from ..spec import VLLM_KINDS
+from ..spec import VLLM, VLLM_MEDUSA, VLLM_NGRAM
 from .records import Generate, Turn
 
 log = logging.getLogger("medusa_decoding.bench")
 
-VLLM, VLLM_NGRAM, VLLM_MEDUSA = VLLM_KINDS
 ENV_NAME = "vllm-env"  # the environment's folder under cache_dir()
 PYTHON_VAR = "MEDUSA_VLLM_PYTHON"  # an interpreter with vLLM, instead of the one setup_env makes
 # What setup_env installs on a machine without CUDA: vLLM's CPU build wants torch 2.13.0+cpu, and
@@ -153,7 +152,7 @@ def medusa_folder(heads: str | None, model: str) -> Path:
     folder = Path(heads).expanduser() if heads else shipped_drafter(model, RESIDUAL_HEADS)
     if folder is None:
         raise MedusaError(f"method {VLLM_MEDUSA} needs Medusa heads: --heads DIR (none are shipped for {model!r})")
-    if (kind := proposers.checkpoint_kind(folder)) != "medusa":
+    if (kind := proposers.checkpoint_kind(folder)) != DrafterKind.MEDUSA.value:
         raise MedusaError(f"method {VLLM_MEDUSA} exports Medusa heads; {folder} holds a {kind} drafter")
     return folder
 

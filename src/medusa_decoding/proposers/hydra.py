@@ -120,7 +120,7 @@ NO_EXPORT = ("no other engine runs hydra's heads: vLLM's nearest relative, IBM's
              "(head k reads head k-1's state and one token's embedding, through LayerNorm and GELU, with embeddings "
              "and LM heads of its own), while hydra's head k reads h_t and every token of its branch at once "
              "through one SiLU MLP into the base's LM head; no setting of the one computes the other. "
-             "Train an EAGLE-3 drafter for vLLM instead (docs/VLLM.md)")
+             "For vLLM, train residual Medusa heads (medusa train --inner-size 0) and export those (docs/VLLM.md)")
 
 
 register(DrafterKind.HYDRA, DrafterSpec(load=load, wrap=HydraDrafter, trainer=HydraTrainer, no_export=NO_EXPORT))
