@@ -64,13 +64,13 @@ def test_each_node_is_masked_by_its_own_paths_grammar_state(base, monkeypatch):
     spec = oracle.generate("hello", chat=False, max_new_tokens=120, grammar=g)
     assert spec.token_ids == plain.token_ids and spec.stats.mean_accepted_length > 2.5
 
-    def root_state_only(self, tokens, tree):
+    def root_state_only(self, tokens, tree):  # every node valid, masked by the root's state
         bits = grammar_module.new_bitmask(tokens.numel(), self.vocab_size)
         for i in range(tokens.numel()):
             grammar_module.fill_mask(self.matcher, bits, i)
-        return bits
+        return bits, [True] * tokens.numel()
 
-    monkeypatch.setattr(grammar_module.RowGrammar, "masks", root_state_only)
+    monkeypatch.setattr(grammar_module.RowGrammar, "walk", root_state_only)
     with pytest.raises(MedusaError, match="breaks the grammar"):  # a forbidden candidate got accepted
         oracle.generate("hello", chat=False, max_new_tokens=120, grammar=g)
 
@@ -121,3 +121,180 @@ def test_forced_tokens_are_proposed_beside_the_tree_and_accepted(base, monkeypat
 def valid_keys(text: str, keys: list[str]) -> bool:
     value = json.loads(text)
     return list(value) == keys and all(isinstance(v, bool) for v in value.values())
+
+
+# the filter of drafts (proposers/constrained.py) on regexes that allow "a" to "h", 3 or 2 times, then the end
+THREE_LETTERS, LETTERS = Grammar("regex", "[a-h]{3}"), Grammar("regex", "[a-h]{2}")
+
+
+def row_grammar(grammar=THREE_LETTERS):
+    from medusa_decoding.grammar import Grammars
+
+    tok = byte_tokenizer()
+    return Grammars(tok, 258, [tok.eos_token_id]).row(grammar)
+
+
+class _Fixed:
+    """An inner proposer that proposes one fixed tree and records the budget it was asked for."""
+
+    depth_limit = 2
+
+    def __init__(self, proposal):
+        self.proposal, self.asked, self.observed = proposal, [], []
+
+    def start(self, prompt):
+        pass
+
+    def use_graphs(self, graphs):
+        pass
+
+    def propose(self, root, budget=None):
+        self.asked.append(budget)
+        return self.proposal
+
+    def observe(self, hidden, next_tokens, nodes):
+        self.observed.append(nodes)
+
+
+def _proposal(tokens, parent, score=None):
+    import torch
+
+    from medusa_decoding.proposers import Proposal
+    from medusa_decoding.tree import tree_from_parents
+
+    parent = torch.tensor(parent)
+    depth = torch.zeros_like(parent)
+    for i in range(1, len(parent)):
+        depth[i] = depth[parent[i]] + 1
+    return Proposal(torch.tensor([ord(t) for t in tokens]), tree_from_parents(parent, depth, int(depth.max())),
+                    score=None if score is None else torch.tensor(score))
+
+
+def test_the_filter_drops_forbidden_candidates_and_their_subtrees():
+    """Root "a"; candidates "b" (allowed) with child "c" (allowed), "z" (forbidden) with child "d"
+    (allowed after any letter, but under a forbidden node), "x" (forbidden). Kept: root, b, c; their
+    masks are the walk's; observe gets the inner proposal's node numbers back."""
+    import torch
+
+    from medusa_decoding.proposers.constrained import GrammarFilter
+
+    g = row_grammar()
+    g.consume([ord("a")])  # the root is emitted and consumed before a step proposes
+    inner = _Fixed(_proposal("abzcdx", [-1, 0, 0, 1, 2, 0]))
+    f = GrammarFilter(inner, g)
+    p = f.propose(torch.tensor(ord("a")), budget=None)
+    assert [chr(t) for t in p.tokens.tolist()] == ["a", "b", "c"]
+    assert p.tree.parent.tolist() == [-1, 0, 1] and p.tree.depth.tolist() == [0, 1, 2]
+    bits, valid = g.walk(inner.proposal.tokens, inner.proposal.tree)
+    assert valid == [True, True, False, True, False, False]
+    assert torch.equal(p.masks, bits[[0, 1, 3]])
+    assert inner.asked == [None]  # a static tree is only pruned: no bigger tree asked for
+    f.observe(torch.zeros(3, 4), torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
+    assert inner.observed[-1].tolist() == [0, 1, 3]
+
+
+def test_a_scored_drafter_fills_the_budget_with_valid_candidates():
+    """Asked for twice the budget, the best-scored valid nodes are kept: the forbidden "z" and "y"
+    score highest and give their places to "c" and "d"."""
+    import torch
+
+    from medusa_decoding.proposers.constrained import OVERDRAFT, GrammarFilter
+
+    g = row_grammar()
+    g.consume([ord("a")])
+    inner = _Fixed(_proposal("azybcde", [-1, 0, 0, 0, 0, 0, 4], score=[0.0, -0.1, -0.2, -0.5, -0.6, -0.7, -0.8]))
+    f = GrammarFilter(inner, g, own_budget=3)
+    p = f.propose(torch.tensor(ord("a")), budget=None)
+    assert inner.asked == [OVERDRAFT * 3]
+    assert [chr(t) for t in p.tokens.tolist()] == ["a", "b", "c"]
+    p = f.propose(torch.tensor(ord("a")), budget=4)
+    assert inner.asked[-1] == OVERDRAFT * 4 and [chr(t) for t in p.tokens.tolist()] == ["a", "b", "c", "d"]
+
+
+def test_every_method_proposes_only_valid_candidates(base, monkeypatch):
+    """Each verified node of every step is one the grammar allows (the root aside, which is the
+    base's own token): the drafts that random drafters make are filtered before verification."""
+    from medusa_decoding.engine import decoder as decoder_module
+
+    seen = []
+    accept = decoder_module.accept
+
+    def spy(tokens, logits, tree, sampling, generator):  # logits are masked: a forbidden node's token is -inf at its parent
+        parent = tree.parent.tolist()
+        seen.extend(bool(logits[parent[i], tokens[i]].isfinite()) for i in range(1, tokens.numel()))
+        return accept(tokens, logits, tree, sampling, generator)
+
+    monkeypatch.setattr(decoder_module, "accept", spy)
+    tok = byte_tokenizer()
+    for heads in (random_heads(base), random_drafter("hydra", base), random_drafter("eagle", base)):
+        seen.clear()
+        m = MedusaModel(base, tok, heads=heads)
+        out = m.generate("hi", chat=False, max_new_tokens=40, grammar=GRAMMARS[0])
+        assert seen and all(seen), (m.method().describe(), seen.count(False), len(seen))
+        assert out.stats.grammar_s > 0
+
+
+def test_sampling_under_a_grammar_draws_the_masked_distribution():
+    """Speculative sampling of two tokens under "[a-h]{2}", with head 1 ranking forbidden tokens
+    first (the filter drops them) and allowed ones by their marginal: the draws follow the base's
+    distribution masked by the grammar (TV bound as in test_sampling). Masking each node by the
+    root's state only would be the same here (the regex's states allow the same letters), so the
+    bound is what guards the acceptance under masks."""
+    import math
+
+    import torch
+
+    from medusa_decoding.config import GenerationConfig, SamplingConfig
+    from medusa_decoding.engine import Decoder, Method, Request
+    from medusa_decoding.grammar import Grammars
+    from medusa_decoding.proposers import wrap
+    from medusa_decoding.tree import build_tree
+    from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
+
+    from test_sampling import WIDE, tv
+
+    model = tiny_llama(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5.0)
+    tok = byte_tokenizer()
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    letters = torch.tensor([ord(c) for c in "abcdefgh"])
+    with torch.no_grad():
+        p1 = torch.softmax(model(prompt).logits[0, -1, letters], -1)
+        seqs = torch.cat([prompt.repeat(8, 1), letters[:, None]], 1)
+        p2 = torch.softmax(model(seqs).logits[:, -1, letters], -1)
+    exact = {(int(a), int(b)): float(p1[i] * p2[i, j]) for i, a in enumerate(letters) for j, b in enumerate(letters)}
+
+    class Heads(torch.nn.Module):
+        kind, num_heads = "medusa", 4
+
+        def check_fits(self, base_model):
+            pass
+
+        def __init__(self):
+            super().__init__()
+            logits = torch.full((4, 258), -30.0)
+            logits[0, letters] = p2.mean(0).log()
+            logits[0, [ord(c) for c in "xyz"]] = 5.0  # forbidden, ranked first
+            self.logits = logits
+
+        def forward(self, hidden, lm_head=None, num_heads=None):
+            return self.logits
+
+    method = Method(wrap(Heads(), model, build_tree(WIDE)))
+    decoder = Decoder(TransformersVerifier(EagerBackend(model)), method, [tok.eos_token_id],
+                      grammars=Grammars(tok, 258, [tok.eos_token_id]))
+    n, counts, accepted = 1500, {}, 0
+    for seed in range(n):
+        out = decoder.add(Request(prompt, GenerationConfig(max_new_tokens=2, grammar=LETTERS),
+                                  SamplingConfig(temperature=1.0, seed=seed)))
+        tokens = list(out.tokens)
+        while not out.finished:
+            (out,) = decoder.step()
+            tokens += out.tokens
+            accepted += sum(1 for d in out.depths if d)
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    k = sum(1 for p in exact.values() if p > 1 / (10 * n))
+    bound = 0.5 * math.sqrt(k / n) + math.sqrt(math.log(1e6) / (2 * n))
+    assert accepted > n * 0.1
+    assert tv(counts, exact, n) < bound, (tv(counts, exact, n), bound)

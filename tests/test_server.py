@@ -526,6 +526,14 @@ def test_metrics_count_what_the_answers_say(medusa):
         assert value("medusa:requests_total", route="/v1/completions", status="400") == 1
         assert value("medusa:num_requests_running") == 0 and value("medusa:num_requests_waiting") == 0
         assert value("medusa:step_seconds_count") == value("medusa:steps_total") > 0
+        assert value("medusa:grammar_seconds_count") == 0  # no request had a grammar yet
+        httpx.post(f"{s.url}/v1/chat/completions", json={"model": NAME, "max_tokens": 8, "temperature": 0,
+                                                         "messages": [{"role": "user", "content": "hi"}],
+                                                         "response_format": {"type": "json_object"}})
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for family in text_string_to_metric_families(httpx.get(f"{s.url}/metrics").text)
+                   for x in family.samples}
+        assert value("medusa:grammar_seconds_count") > 0 and value("medusa:grammar_seconds_sum") > 0
     finally:
         s.stop()
 

@@ -15,6 +15,7 @@ and is never accepted.
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -69,21 +70,35 @@ class Grammars:
 
 
 class RowGrammar:
-    """One row's matcher: what its output so far allows next."""
+    """One row's matcher: what its output so far allows next. `spent_s` sums the time spent in the
+    matcher and on masks, which the decoder takes each step (`take_time`)."""
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
         self._bits: torch.Tensor | None = None  # [N, W] int32, reused across steps
+        self.spent_s = 0.0
+
+    def take_time(self) -> float:
+        """Seconds spent since the last call."""
+        spent, self.spent_s = self.spent_s, 0.0
+        return spent
 
     def masks(self, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
         """tokens [N] long (the root emitted and consumed already) -> bitmask [N, W] int32: at each
         node, the tokens the grammar allows after the node's path. A node whose own token the grammar
         forbids (never accepted: its parent's mask excludes it) keeps its parent's mask."""
+        return self.walk(tokens, tree)[0]
+
+    def walk(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, list[bool]]:
+        """tokens [N] long -> (masks [N, W] as `masks` gives them, valid [N]: the node's token and every
+        ancestor's are allowed, so the node can be accepted; the root is valid)."""
+        t0 = time.perf_counter()
         n = tokens.numel()
         if self._bits is None or self._bits.shape[0] < n:
             self._bits = new_bitmask(max(n, 8), self.vocab_size)
         bits = self._bits[:n]
         host = tokens.tolist()
+        valid = [True] + [False] * (n - 1)
         children = tree.children if n > 1 else ((),)
         fill_mask(self.matcher, bits, 0)
         stack = [(c, 0) for c in reversed(children[0])]  # (node, its parent), depth first
@@ -91,6 +106,9 @@ class RowGrammar:
         consumed = 0  # path tokens the matcher holds beyond the root
         while stack:
             node, parent = stack.pop()
+            if not valid[parent]:  # below a forbidden node: never accepted either
+                bits[node] = bits[parent]
+                continue
             # roll back to the parent's state: its path is what the matcher holds
             back = consumed - depth_of[parent]
             if back:
@@ -100,28 +118,43 @@ class RowGrammar:
             word = int(bits[parent, token >> 5]) if token < self.vocab_size else 0
             if self.matcher.is_stopped() or not (word >> (token & 31)) & 1:
                 bits[node] = bits[parent]  # forbidden here (or the end): never accepted, its subtree neither
+                stack.extend((c, node) for c in reversed(children[node]))
                 continue
             if not self.matcher.consume_token(token):
                 raise MedusaError(f"the grammar's mask allowed token {token} and its matcher refused it")
             consumed += 1
             depth_of[node] = consumed
+            valid[node] = True
             fill_mask(self.matcher, bits, node)
             stack.extend((c, node) for c in reversed(children[node]))
         if consumed:
             self.matcher.rollback(consumed)
-        return bits
+        self.spent_s += time.perf_counter() - t0
+        return bits, valid
+
+    def apply(self, logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """apply_masks, its time counted."""
+        t0 = time.perf_counter()
+        logits = apply_masks(logits, bits)
+        self.spent_s += time.perf_counter() - t0
+        return logits
 
     def consume(self, tokens: list[int]) -> None:
         """Tokens emitted (each one its mask allowed)."""
+        t0 = time.perf_counter()
         for t in tokens:
             if self.matcher.is_stopped():
-                return
+                break
             if not self.matcher.consume_token(t):
                 raise MedusaError(f"token {t} breaks the grammar ({self.matcher.get_error()})")
+        self.spent_s += time.perf_counter() - t0
 
     def forced(self) -> list[int]:
         """The tokens the grammar allows alone from here (none where it leaves a choice)."""
-        return list(self.matcher.compute_ff_tokens())
+        t0 = time.perf_counter()
+        tokens = list(self.matcher.compute_ff_tokens())
+        self.spent_s += time.perf_counter() - t0
+        return tokens
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

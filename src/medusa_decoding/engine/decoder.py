@@ -23,8 +23,9 @@ import torch
 from ..acceptance import History, accept, penalize, token_logprobs
 from ..config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from ..datastore import Datastore
-from ..grammar import Grammars, RowGrammar, apply_masks
+from ..grammar import Grammars, RowGrammar
 from ..proposers import Drafter, Proposer
+from ..proposers.constrained import GrammarFilter
 from ..proposers.forced import ForcedBranch
 from ..proposers.ngram import NgramBranch
 from ..tree import TreeBuffers, build_tree
@@ -51,6 +52,7 @@ class GenerationStats:
     ngram_accepted: int = 0  # candidates accepted on the n-gram branch
     copy_steps: int = 0  # steps that verified the n-gram chain alone (NgramConfig.copy_run)
     nodes: int = 0  # tree nodes verified, summed over steps
+    grammar_s: float = 0.0  # time in the grammar's matcher and masks (structured outputs), within prefill_s and decode_s
 
     @property
     def mean_accepted_length(self) -> float:
@@ -84,6 +86,7 @@ class GenerationStats:
             f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}"
             + (f", acceptance per depth [{depth}]" if depth else "")
             + f", prefill {self.prefill_s * 1000:.0f} ms"
+            + (f", grammar {self.grammar_s * 1000:.0f} ms" if self.grammar_s else "")
         )
 
     def to_dict(self) -> dict:
@@ -92,7 +95,7 @@ class GenerationStats:
             "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
             "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "tokens_per_s": self.tokens_per_s, "ngram_steps": self.ngram_steps,
-            "ngram_accepted": self.ngram_accepted, "copy_steps": self.copy_steps,
+            "ngram_accepted": self.ngram_accepted, "copy_steps": self.copy_steps, "grammar_s": self.grammar_s,
         }
 
 
@@ -133,6 +136,7 @@ class RowOutput:
     # base model and the most likely (id, logprob) alternatives (acceptance.token_logprobs)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     drafted: int = 0  # candidates this step verified for the row (its tree's nodes below the root)
+    grammar_s: float = 0.0  # this call's time in the row's grammar (matcher, masks, filtering)
 
 
 @dataclass
@@ -145,12 +149,16 @@ class Method:
 
     def proposer(self, grammar: RowGrammar | None = None) -> Proposer:
         """A row's proposer: the drafter's, with the grammar's forced tokens beside it where the row has
-        a grammar (and the method speculates), then the n-gram branch."""
+        a grammar (and the method speculates), then the n-gram branch, then (with a grammar) the
+        filter that drops the candidates the grammar forbids."""
         inner = self.drafter.proposer() if self.drafter is not None else None
         if grammar is not None and self.speculative:
             inner = ForcedBranch(inner or Proposer(), grammar)
         if self.ngram is not None:
-            return NgramBranch(inner, self.ngram, self.store)
+            inner = NgramBranch(inner, self.ngram, self.store)
+        if grammar is not None and self.speculative:  # outermost: every candidate of the tree filtered
+            scored = self.drafter is not None and self.drafter.scored
+            return GrammarFilter(inner, grammar, self.drafter.default_budget if scored else None)
         return inner or Proposer()
 
     @property
@@ -208,15 +216,16 @@ class _Seq:
 
 
 def scored_logits(logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers, sampling: SamplingConfig,
-                  history: History | None, grammar: RowGrammar | None) -> torch.Tensor:
+                  history: History | None, grammar: RowGrammar | None, masks: torch.Tensor | None = None) -> torch.Tensor:
     """A row's logits [N, V] as its acceptance reads them: penalized where it asks (history), and each
-    node's masked by the grammar state its own path reaches (a copy: the raw logits stay for logprobs)."""
+    node's masked by the grammar state its own path reaches (a copy: the raw logits stay for logprobs).
+    masks [N, W]: those states' masks where the proposal's grammar filter read them already."""
     if history is not None:
         logits = penalize(logits, tokens, tree, history, sampling)  # a float32 copy
     elif grammar is not None:
         logits = logits.to(torch.float32, copy=True)
     if grammar is not None:
-        logits = apply_masks(logits, grammar.masks(tokens, tree))
+        logits = grammar.apply(logits, masks if masks is not None else grammar.masks(tokens, tree))
     return logits
 
 
@@ -299,6 +308,8 @@ class Decoder:
         stats = request.stats if request.stats is not None else GenerationStats()
         stats.prompt_tokens, stats.new_tokens = ids.numel(), 1
         stats.prefill_s = time.perf_counter() - t0
+        grammar_s = grammar.take_time() if grammar is not None else 0.0
+        stats.grammar_s = grammar_s
         eos = self.eos if gen.eos_token_ids is None else {int(e) for e in gen.eos_token_ids}
         seq = _Seq(request, proposer, row, generator, stats, eos, root, history, grammar)
         token = int(root)
@@ -307,7 +318,8 @@ class Decoder:
             self.seqs.append(seq)
         else:
             self.verifier.release(row)
-        return RowOutput(request.id, [token], reason is not None, reason, stats, 0, [0], [Source.PREFILL], logprobs)
+        return RowOutput(request.id, [token], reason is not None, reason, stats, 0, [0], [Source.PREFILL], logprobs,
+                         grammar_s=grammar_s)
 
     @torch.inference_mode()
     def step(self) -> list[RowOutput]:
@@ -328,9 +340,10 @@ class Decoder:
         logits, hidden = self.verifier.verify(rows, tokens, trees)  # [B, N, V], [B, N, D]
         # 3. accept: the longest path each row's base model agrees with (each node's logits
         # penalized with its own history where the row asks), plus the bonus token
-        results = [accept(t, scored_logits(logits[b, : t.numel()], t, tree, s.request.sampling, s.history, s.grammar),
+        results = [accept(t, scored_logits(logits[b, : t.numel()], t, tree, s.request.sampling, s.history, s.grammar,
+                                           p.masks if p is not None else None),
                           tree, s.request.sampling, s.generator)
-                   for b, (s, t, tree) in enumerate(zip(seqs, tokens, trees))]
+                   for b, (s, p, t, tree) in enumerate(zip(seqs, proposals, tokens, trees))]
         # 4. commit: keep each row's accepted path in the cache; the bonus is its next root
         self.verifier.commit(rows, [r.nodes for r in results])
         emitted = [torch.cat([t[r.nodes[1:]], r.bonus.reshape(1)]) for t, r in zip(tokens, results)]  # [A_b] each
@@ -350,8 +363,10 @@ class Decoder:
         outputs, keep = [], []
         for s, p, r, e, lp in zip(seqs, proposals, results, emitted, logprobs):
             new, flat = flat[: e.numel()], flat[e.numel():]
+            grammar_s = 0.0
             if s.grammar is not None:
                 s.grammar.consume(new)
+                grammar_s = s.grammar.take_time()
             s.root = r.bonus
             st = s.stats
             st.record(len(new))
@@ -368,10 +383,11 @@ class Decoder:
             new = self._cut(s, new)
             st.new_tokens += len(new)
             st.decode_s += step_s / len(seqs)  # a step's time, shared by its rows
+            st.grammar_s += grammar_s
             reason = self._finish_reason(s, new)
             outputs.append(RowOutput(s.request.id, new, reason is not None, reason, st, st.steps,
                                      depths[: len(new)], sources[: len(new)], lp[: len(new)] if lp is not None else None,
-                                     p.tokens.numel() - 1 if p is not None else 0))
+                                     p.tokens.numel() - 1 if p is not None else 0, grammar_s))
             if reason is None:
                 keep.append(s)
             else:

@@ -41,7 +41,9 @@ class Proposal:
     tree: TreeBuffers  # mask [N, N], depth [N], parent [N]; an n-gram chain is its last nodes
     chain: int = 0  # nodes of the n-gram chain (the last ones)
     copy_step: bool = False  # the chain alone, after a step that copied (ngram.py)
-    score: torch.Tensor | None = None  # [N] float: a drafter's cumulative log-probability of each branch
+    score: torch.Tensor | None = None  # [N_head] float: a drafter's cumulative log-probability of each branch
+    # [N, W] int32: each node's grammar mask, where a grammar filter (constrained.py) walked the tree
+    masks: torch.Tensor | None = None
 
 
 class Proposer:
@@ -79,6 +81,9 @@ class Drafter:
     # the base hidden states its proposers observe (verifiers.transformers.forward's `layers`);
     # None: the last layer's, after the final norm
     feature_layers: tuple[int, ...] | None = None
+    # True: its proposals score their nodes (Proposal.score), so a grammar filter may ask for a bigger
+    # tree and keep the best valid nodes (proposers/constrained.py)
+    scored: bool = False
 
     def proposer(self) -> Proposer:
         return Proposer()

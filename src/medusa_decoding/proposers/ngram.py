@@ -96,7 +96,8 @@ class NgramBranch(Proposer):
             self.last = Proposal(torch.cat([root.reshape(1), tokens]), self._chains[length], chain=length,
                                  copy_step=copying)
         else:
-            self.last = Proposal(torch.cat([base.tokens, tokens]), self._join(base.tree, length), chain=length)
+            self.last = Proposal(torch.cat([base.tokens, tokens]), self._join(base.tree, length), chain=length,
+                                 score=base.score)
         return self.last
 
     def _join(self, tree: TreeBuffers, length: int) -> TreeBuffers:

@@ -23,6 +23,8 @@ from . import Drafter, Proposal, Proposer, read_acceptance
 class PathDrafter(Drafter):
     """A hydra or eagle drafter on its base: weights, shortlist, drafting depth/width/budget."""
 
+    scored = True  # grow_tree's cumulative log-probs
+
     def __init__(self, module, base_model, tree=None, budget: int | None = None):
         if tree is not None and not (isinstance(tree, str) and tree == "dynamic"):
             raise MedusaError(f"a {module.kind} drafter drafts its own tree every step; give no tree file")

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..engine import RowOutput
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+GRAMMAR_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 MAX_POSITION = 16  # accepted tokens are counted per tree depth up to this one (deeper: in the last)
 
 
@@ -42,6 +43,9 @@ class Metrics:
         self.steps = Counter("medusa:steps", "Batched verification forwards", registry=r)
         self.step_seconds = Histogram("medusa:step_seconds", "Time of one batched verification step",
                                       buckets=STEP_BUCKETS, registry=r)
+        self.grammar_seconds = Histogram("medusa:grammar_seconds", "Time one row's step spent in its grammar "
+                                         "(matcher, masks, filtering its tree): rows with structured outputs",
+                                         buckets=GRAMMAR_BUCKETS, registry=r)
         self.rows = Histogram("medusa:step_rows", "Rows in a batched step", buckets=(1, 2, 4, 8, 16, 32, 64),
                               registry=r)
         Gauge("medusa:num_requests_waiting", "Requests queued", registry=r).set_function(queued)
@@ -62,6 +66,8 @@ class Metrics:
         self.rows.observe(len(outputs))
         for out in outputs:
             self.row_steps.inc()
+            if out.grammar_s:
+                self.grammar_seconds.observe(out.grammar_s)
             self.generation_tokens.inc(len(out.tokens))
             if out.drafted:
                 self.drafts.inc()
