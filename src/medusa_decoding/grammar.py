@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -83,6 +84,14 @@ class RowGrammar:
         spent, self.spent_s = self.spent_s, 0.0
         return spent
 
+    @contextmanager
+    def _clock(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent_s += time.perf_counter() - t0
+
     def masks(self, tokens: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
         """tokens [N] long (the root emitted and consumed already) -> bitmask [N, W] int32: at each
         node, the tokens the grammar allows after the node's path. A node whose own token the grammar
@@ -92,7 +101,10 @@ class RowGrammar:
     def walk(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, list[bool]]:
         """tokens [N] long -> (masks [N, W] as `masks` gives them, valid [N]: the node's token and every
         ancestor's are allowed, so the node can be accepted; the root is valid)."""
-        t0 = time.perf_counter()
+        with self._clock():
+            return self._walk(tokens, tree)
+
+    def _walk(self, tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, list[bool]]:
         n = tokens.numel()
         if self._bits is None or self._bits.shape[0] < n:
             self._bits = new_bitmask(max(n, 8), self.vocab_size)
@@ -108,6 +120,7 @@ class RowGrammar:
             node, parent = stack.pop()
             if not valid[parent]:  # below a forbidden node: never accepted either
                 bits[node] = bits[parent]
+                stack.extend((c, node) for c in reversed(children[node]))
                 continue
             # roll back to the parent's state: its path is what the matcher holds
             back = consumed - depth_of[parent]
@@ -129,32 +142,26 @@ class RowGrammar:
             stack.extend((c, node) for c in reversed(children[node]))
         if consumed:
             self.matcher.rollback(consumed)
-        self.spent_s += time.perf_counter() - t0
         return bits, valid
 
     def apply(self, logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """apply_masks, its time counted."""
-        t0 = time.perf_counter()
-        logits = apply_masks(logits, bits)
-        self.spent_s += time.perf_counter() - t0
-        return logits
+        with self._clock():
+            return apply_masks(logits, bits)
 
     def consume(self, tokens: list[int]) -> None:
         """Tokens emitted (each one its mask allowed)."""
-        t0 = time.perf_counter()
-        for t in tokens:
-            if self.matcher.is_stopped():
-                break
-            if not self.matcher.consume_token(t):
-                raise MedusaError(f"token {t} breaks the grammar ({self.matcher.get_error()})")
-        self.spent_s += time.perf_counter() - t0
+        with self._clock():
+            for t in tokens:
+                if self.matcher.is_stopped():
+                    return
+                if not self.matcher.consume_token(t):
+                    raise MedusaError(f"token {t} breaks the grammar ({self.matcher.get_error()})")
 
     def forced(self) -> list[int]:
         """The tokens the grammar allows alone from here (none where it leaves a choice)."""
-        t0 = time.perf_counter()
-        tokens = list(self.matcher.compute_ff_tokens())
-        self.spent_s += time.perf_counter() - t0
-        return tokens
+        with self._clock():
+            return list(self.matcher.compute_ff_tokens())
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -151,12 +151,13 @@ class Method:
         """A row's proposer: the drafter's, with the grammar's forced tokens beside it where the row has
         a grammar (and the method speculates), then the n-gram branch, then (with a grammar) the
         filter that drops the candidates the grammar forbids."""
+        constrained = grammar is not None and self.speculative
         inner = self.drafter.proposer() if self.drafter is not None else None
-        if grammar is not None and self.speculative:
+        if constrained:
             inner = ForcedBranch(inner or Proposer(), grammar)
         if self.ngram is not None:
             inner = NgramBranch(inner, self.ngram, self.store)
-        if grammar is not None and self.speculative:  # outermost: every candidate of the tree filtered
+        if constrained:  # outermost: every candidate of the tree filtered
             scored = self.drafter is not None and self.drafter.scored
             return GrammarFilter(inner, grammar, self.drafter.default_budget if scored else None)
         return inner or Proposer()

@@ -50,10 +50,11 @@ class GrammarFilter(Proposer):
         if p is None:
             return None
         bits, valid = self.grammar.walk(p.tokens, p.tree)  # [N, W], [N]
-        n, chains = p.tokens.numel(), p.tree.num_nodes - (p.score.numel() if p.score is not None else p.tree.num_nodes)
+        n = p.tokens.numel()
         keep = torch.tensor(valid, device=p.tokens.device)  # [N] bool
-        if p.score is not None and wanted and int(keep[: n - chains].sum()) > wanted:
-            head = n - chains  # scored nodes first, then the chains (forced, n-gram), unscored
+        # the drafter's scored nodes come first, then the chains (forced, n-gram), unscored
+        head = p.score.numel() if p.score is not None else n
+        if p.score is not None and wanted and int(keep[:head].sum()) > wanted:
             rank = keep_order(p.score, p.tree.depth[:head]).masked_fill(~keep[:head], float("-inf"))
             rank[0] = float("inf")  # the root stays
             best = torch.zeros(head, dtype=torch.bool, device=keep.device)
