@@ -370,6 +370,8 @@ def test_the_json_suite_decodes_under_each_schema_and_reports_validity(capsys, m
     assert results["validity"]["plain"] == results["validity"]["medusa"] and results["validity"]["plain"]["checked"] == 4
     assert all(r["valid"] == (r["new_tokens"] < 400) for r in results["records"])
     assert results["validity"]["plain"]["valid"] >= 1 and "schema validity: plain" in out
+    assert set(results["grammar_ms_per_step"]) == {"plain", "medusa"} and "grammar per step: plain" in out
+    assert all(ms > 0 for ms in results["grammar_ms_per_step"].values())
     assert results["identity"]["medusa"]["differ"] == 0
     code, _, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--suite", "json", "--methods", "plain,hf",
                           "--limit", "1", "-n", "4", "--dtype", "float32", "--device", "cpu", "--out", "out2")

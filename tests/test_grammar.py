@@ -118,6 +118,31 @@ def test_forced_tokens_are_proposed_beside_the_tree_and_accepted(base, monkeypat
     assert with_forced.stats.steps < plain.stats.steps / 4
 
 
+def test_forced_tokens_are_labelled_forced(base):
+    """The provenance of a token accepted on the forced chain is `forced`, not `draft`: on the
+    long fixed keys most tokens are; every other candidate accepted is the random heads' (`draft`)."""
+    from medusa_decoding.config import GenerationConfig, NgramConfig
+    from medusa_decoding.engine import Decoder, Method, Request, Source
+    from medusa_decoding.grammar import Grammars
+    from medusa_decoding.proposers import wrap
+    from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
+
+    keys = ["a_rather_long_property_name", "another_fixed_key_of_this_schema"]
+    schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in keys}, "required": keys,
+              "additionalProperties": False}
+    tok = byte_tokenizer()
+    method = Method(wrap(random_heads(base), base), NgramConfig(length=4))  # the forced chain under the n-gram one
+    decoder = Decoder(TransformersVerifier(EagerBackend(base)), method, [tok.eos_token_id],
+                      grammars=Grammars(tok, base.config.vocab_size, [tok.eos_token_id]))
+    out = decoder.add(Request(tok("go", return_tensors="pt").input_ids[0],
+                              GenerationConfig(max_new_tokens=200, grammar=Grammar("json_schema", json.dumps(schema)))))
+    sources = list(out.sources)
+    while not out.finished:
+        (out,) = decoder.step()
+        sources += out.sources
+    assert sources.count(Source.FORCED) > sum(map(len, keys)), sources
+
+
 def valid_keys(text: str, keys: list[str]) -> bool:
     value = json.loads(text)
     return list(value) == keys and all(isinstance(v, bool) for v in value.values())

@@ -32,7 +32,7 @@ from .methods import build_methods, run_method
 from .records import Generate, Record
 from .prompts import BUILTIN, SUITES, Prompt, load_jsonl_prompts, load_suite, select
 from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, fitted_line, identity_line, machine_info,
-                     method_row, text_table, write_plots, write_report, validity_line)
+                     method_row, text_table, write_plots, write_report, validity_line, grammar_line)
 from .summary import first_difference, fitted_vs_shipped, identity_check, per_prompt_speedups, summarize
 
 log = logging.getLogger("medusa_decoding.bench")
@@ -78,6 +78,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         print(identity_line(results["identity"]))
         if results.get("validity"):
             print(validity_line(results["validity"]))
+        if results.get("grammar_ms_per_step"):
+            print(grammar_line(results["grammar_ms_per_step"]))
         if results["fitted_vs_shipped"]:
             print(fitted_line(results["fitted_vs_shipped"]))
     if cfg.batch_sizes:
@@ -120,8 +122,20 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
             # the @compiled methods' backend (its graphs), when any ran
             "compiled_engine": next((g.backend.stats() for g in methods.values()
                                      if hasattr(g, "backend") and g.backend.compiled), None),
-            "identity": identity, "validity": validity(records, names),
+            "identity": identity, "validity": validity(records, names), "grammar_ms_per_step": grammar_cost(records, names),
             "records": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in records]}
+
+
+def grammar_cost(records: list[Record], names: list[str]) -> dict[str, float]:
+    """Per method that decoded under grammars in our engine: milliseconds in the grammar per step
+    (the prefill counted as one), over its records."""
+    out = {}
+    for name in names:
+        timed = [r for r in records if r.method == name and r.grammar_s is not None and r.accepted_lengths is not None]
+        if timed:
+            steps = sum(len(r.accepted_lengths) + len(r.token_ids) for r in timed)
+            out[name] = 1000 * sum(r.grammar_s for r in timed) / max(steps, 1)
+    return out
 
 
 def validity(records: list[Record], names: list[str]) -> dict[str, dict[str, int]]:

@@ -35,7 +35,8 @@ def engine_method(model, use_medusa: bool, temperature: float) -> Generate:
                              **sampling)
         sync(model.device)
         wall = time.perf_counter() - t0 - (model.backend.compile_s - compiling)
-        return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth))
+        return Turn(out.token_ids, out.text, wall, list(out.stats.accepted_lengths), list(out.stats.accepted_per_depth),
+                    grammar_s=out.stats.grammar_s if grammar is not None else None)
     generate.model, generate.constrains = model, True
     return generate
 
@@ -129,6 +130,8 @@ def run_method(name: str, generate: Generate, model, prompt: Prompt, max_new_tok
             record.accepted_lengths = (record.accepted_lengths or []) + turn.accepted_lengths
             depth = record.accepted_per_depth or [0] * len(turn.accepted_per_depth)
             record.accepted_per_depth = [a + b for a, b in zip(depth, turn.accepted_per_depth)]
+        if turn.grammar_s is not None:
+            record.grammar_s = (record.grammar_s or 0.0) + turn.grammar_s
         if turn.steps is not None:
             record.steps = (record.steps or 0) + turn.steps
             record.step_tokens = (record.step_tokens or 0) + turn.step_tokens

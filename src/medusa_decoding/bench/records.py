@@ -20,6 +20,7 @@ class Turn:
     # draft, and the tokens those steps emitted (bonus included)
     steps: int | None = None
     step_tokens: int | None = None
+    grammar_s: float | None = None  # our engine under a grammar: time in the grammar's matcher and masks
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Record:
     steps: int | None = None  # Turn.steps and step_tokens, summed over the turns
     step_tokens: int | None = None
     valid: bool | None = None  # every answer valid under the prompt's schema (None: the prompt has none)
+    grammar_s: float | None = None  # Turn.grammar_s, summed over the turns
 
     @property
     def tokens_per_s(self) -> float:

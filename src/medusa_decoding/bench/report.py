@@ -69,6 +69,11 @@ def identity_line(identity: dict) -> str:
     return f"token identity vs {REFERENCE}: " + ("; ".join(parts) if parts else "no method to compare")
 
 
+def grammar_line(cost: dict) -> str:
+    """Time in the grammar per step, per method that decoded under one."""
+    return "grammar per step: " + "; ".join(f"{m} {ms:.2f} ms" for m, ms in cost.items())
+
+
 def validity_line(validity: dict) -> str:
     """Answers valid under their prompt's JSON schema, per method."""
     return "schema validity: " + "; ".join(f"{m} {v['valid']}/{v['checked']}" for m, v in validity.items())
@@ -102,6 +107,8 @@ def method_report(results: dict) -> list[str]:
            "## Overall", "", markdown_table(OVERALL_HEADER, [[m] + method_row(summary["overall"][m], results["identity"].get(m))
                                                            for m in methods]), "",
            identity_line(results["identity"]), ""] + ([validity_line(results["validity"]), ""] if results.get("validity") else [])
+    if results.get("grammar_ms_per_step"):
+        out += [grammar_line(results["grammar_ms_per_step"]), ""]
     if results.get("fitted_vs_shipped"):
         out += [fitted_line(results["fitted_vs_shipped"]), ""]
     for title, key, digits in (("Tokens/s (median over prompts)", "tokens_per_s", 1), ("Speed-up vs plain", "speedup_vs_plain", 2),

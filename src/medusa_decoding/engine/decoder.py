@@ -118,6 +118,7 @@ class Source(str, enum.Enum):
     BONUS = "bonus"  # the base model's own token that ends a step
     DRAFT = "draft"  # a drafter's candidate that the base model accepted
     NGRAM = "ngram"  # an n-gram candidate (copied from the context) that the base model accepted
+    FORCED = "forced"  # a token the grammar allowed alone, proposed beside the tree, accepted
 
 
 @dataclass
@@ -372,13 +373,18 @@ class Decoder:
             st = s.stats
             st.record(len(new))
             st.nodes += p.tokens.numel() if p is not None else 1
-            # the accepted path is on the n-gram branch (one host read, only on steps that carried one)
-            ngram = p is not None and p.chain > 0 and len(new) > 1 and int(r.nodes[1]) >= p.tree.num_nodes - p.chain
+            draft = Source.DRAFT
+            # the accepted path's chain, if on one (one host read, only on steps that carried a chain)
+            if p is not None and (p.chain or p.forced) and len(new) > 1:
+                first, n = int(r.nodes[1]), p.tree.num_nodes
+                if first >= n - p.chain:
+                    draft = Source.NGRAM
+                elif first >= n - p.chain - p.forced:
+                    draft = Source.FORCED
             if p is not None and p.chain:
                 st.ngram_steps += 1
                 st.copy_steps += p.copy_step
-                st.ngram_accepted += (len(new) - 1) * ngram
-            draft = Source.NGRAM if ngram else Source.DRAFT
+                st.ngram_accepted += (len(new) - 1) * (draft is Source.NGRAM)
             depths = list(range(1, len(new))) + [0]
             sources = [draft] * (len(new) - 1) + [Source.BONUS]
             new = self._cut(s, new)

@@ -40,6 +40,7 @@ class Proposal:
     tokens: torch.Tensor  # [N] long, the root first
     tree: TreeBuffers  # mask [N, N], depth [N], parent [N]; an n-gram chain is its last nodes
     chain: int = 0  # nodes of the n-gram chain (the last ones)
+    forced: int = 0  # nodes of the grammar's forced chain (forced.py), just before the n-gram chain
     copy_step: bool = False  # the chain alone, after a step that copied (ngram.py)
     score: torch.Tensor | None = None  # [N_head] float: a drafter's cumulative log-probability of each branch
     # [N, W] int32: each node's grammar mask, where a grammar filter (constrained.py) walked the tree

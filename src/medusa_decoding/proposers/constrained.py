@@ -71,8 +71,9 @@ class GrammarFilter(Proposer):
         depth = p.tree.depth[kept]
         tree = tree_from_parents(parent, depth, int(depth.max()))
         chain = int(keep[n - p.chain:].sum()) if p.chain else 0
+        forced = int(keep[n - p.chain - p.forced: n - p.chain].sum()) if p.forced else 0
         self.kept = kept
-        return Proposal(p.tokens[kept], tree, chain=chain, copy_step=p.copy_step,
+        return Proposal(p.tokens[kept], tree, chain=chain, forced=forced, copy_step=p.copy_step,
                         score=None, masks=bits[kept])
 
     def observe(self, hidden, next_tokens, nodes) -> None:

@@ -43,8 +43,9 @@ class ForcedBranch(Proposer):
         if base is None:
             if len(forced) not in self._chains:
                 self._chains[len(forced)] = build_tree([], len(forced)).to(root.device)
-            return Proposal(torch.cat([root.reshape(1), tokens]), self._chains[len(forced)])
-        return Proposal(torch.cat([base.tokens, tokens]), with_chain(base.tree, len(forced)), score=base.score)
+            return Proposal(torch.cat([root.reshape(1), tokens]), self._chains[len(forced)], forced=len(forced))
+        return Proposal(torch.cat([base.tokens, tokens]), with_chain(base.tree, len(forced)), score=base.score,
+                        forced=len(forced))
 
     def observe(self, hidden, next_tokens, nodes) -> None:
         self.inner.observe(hidden, next_tokens, nodes)

@@ -97,7 +97,7 @@ class NgramBranch(Proposer):
                                  copy_step=copying)
         else:
             self.last = Proposal(torch.cat([base.tokens, tokens]), self._join(base.tree, length), chain=length,
-                                 score=base.score)
+                                 score=base.score, forced=base.forced)
         return self.last
 
     def _join(self, tree: TreeBuffers, length: int) -> TreeBuffers:
