@@ -33,6 +33,7 @@ def gguf_like_llama(seed: int = 1):
     return base
 
 
+@needs_kernel
 @pytest.mark.parametrize("kind", list(blocks.BlockKind))
 def test_recover_finds_the_blocks_and_refuses_a_weight_one_ulp_off(kind):
     w = blocks.quantize(torch.randn(48, 96, generator=torch.Generator().manual_seed(0)), kind)
@@ -44,6 +45,30 @@ def test_recover_finds_the_blocks_and_refuses_a_weight_one_ulp_off(kind):
     assert blocks.recover(off) is None
     assert blocks.recover(torch.randn(48, 96)) is None  # plain fp32 weights stay stock
     assert blocks.recover(w[:40]) is None  # rows not a multiple of the panel
+
+
+@needs_kernel
+def test_the_kernels_one_pass_recovery_equals_the_reference():
+    """blocks.cpp's blocks_recover gives the codes, scales and mins _solve gives, block by block, on
+    Q4_1 and Q8_0 values (zero blocks, constant blocks and scales stored one fp16 step off included),
+    and fails where _solve fails."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32 * 8, generator=g) * torch.logspace(-4, 1, 64)[:, None]
+    w[3, :64], w[5, 32:64] = 0.0, 0.25  # a zero block, a constant block
+    for kind in blocks.BlockKind:
+        v = blocks.quantize(w, kind).reshape(-1, 32).contiguous()
+        if kind is blocks.BlockKind.Q4_1:  # blocks whose scale is one fp16 step off the nearest
+            d = torch.tensor(0.0123, dtype=torch.float16).view(torch.int16)
+            d_off = (d + 1).view(torch.float16).float()
+            v[7] = d_off * torch.arange(32).remainder(16).float() + torch.tensor(-0.5)
+        q, d, m, ok = blocks.kernel().blocks_recover(v, kind.bits)
+        ref = blocks._solve(v, kind)
+        assert ok and ref is not None
+        codes = q.view(torch.int8) if kind is blocks.BlockKind.Q8_0 else q
+        assert torch.equal(codes.to(torch.int16), ref[0]) and torch.equal(d, ref[1]) and torch.equal(m, ref[2])
+        off = v.clone()
+        off[11, 5] = torch.nextafter(off[11, 5], torch.tensor(float("inf")))
+        assert not blocks.kernel().blocks_recover(off, kind.bits)[3] and blocks._solve(off, kind) is None
 
 
 @needs_kernel

@@ -6,6 +6,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <tuple>
 #include <vector>
 
 // Panels of 16 output rows, k-major: q4 codes [P, K, 8] (byte i of (p, k): q[16p + i, k] | q[16p + 8 + i, k] << 4),
@@ -324,6 +327,62 @@ static torch::Tensor amx_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
   return y;
 }
 #endif
+
+// One block's codes and scale from the 32 fp32 values a GGUF reader dequantized it to: q4 (Q4_1), m the
+// block's minimum (fp16-exact) and d one of the three fp16 values around (max - min) / 15; q8 (Q8_0),
+// m = 0 and d around max |v| / 127. Tried in that order, the first d with which fl(fl(d q) + m) gives
+// every value back bit for bit wins (no fused multiply-add: -ffp-contract=off); false where none does.
+static bool recover_block(const float* v, bool q4, uint8_t* q, float* d, float* m) {
+  float lo = v[0], hi = v[0], amax = std::fabs(v[0]);
+  for (int k = 1; k < 32; ++k) {
+    lo = std::min(lo, v[k]);
+    hi = std::max(hi, v[k]);
+    amax = std::max(amax, std::fabs(v[k]));
+  }
+  const float mv = q4 ? lo : 0.0f, top = q4 ? 15.0f : 127.0f, qlo = q4 ? 0.0f : -128.0f;
+  if (q4 && static_cast<float>(c10::Half(mv)) != mv) return false;
+  const uint16_t h = c10::Half((q4 ? hi - lo : amax) / top).x;
+  for (uint16_t bits : {h, static_cast<uint16_t>(h - 1), static_cast<uint16_t>(h + 1)}) {
+    float c = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    if (!(std::isfinite(c) && c > 0)) c = 0.0f;
+    const float safe = c > 0 ? c : 1.0f;
+    alignas(32) float codes[32];
+    bool hit = true;
+    for (int k = 0; k < 32 && hit; ++k) {
+      float qc = std::min(std::max(std::nearbyint((v[k] - mv) / safe), qlo), top) * (c > 0 ? 1.0f : 0.0f);
+      float prod = c * qc;
+      float back = q4 ? prod + mv : prod;
+      hit = back == v[k];
+      codes[k] = qc;
+    }
+    if (hit) {
+      for (int k = 0; k < 32; ++k) q[k] = q4 ? static_cast<uint8_t>(codes[k]) : static_cast<uint8_t>(static_cast<int8_t>(codes[k]));
+      *d = c;
+      *m = mv;
+      return true;
+    }
+  }
+  return false;
+}
+
+// v [B, 32] fp32 contiguous (a weight's blocks), bits 4 (Q4_1) or 8 (Q8_0) -> (q [B, 32] uint8: the codes,
+// Q8_0's as int8 bits; d [B]; m [B]; whether every block was rebuilt bit for bit).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, bool> blocks_recover(torch::Tensor v, int64_t bits) {
+  TORCH_CHECK(v.dim() == 2 && v.size(1) == 32 && v.is_contiguous() && v.scalar_type() == torch::kFloat32,
+              "v: [B, 32] contiguous fp32");
+  const int64_t B = v.size(0);
+  auto q = torch::empty({B, 32}, torch::kUInt8);
+  auto d = torch::empty({B}, torch::kFloat32), m = torch::empty({B}, torch::kFloat32);
+  const float* vp = v.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, B, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end && ok.load(std::memory_order_relaxed); ++b)
+      if (!recover_block(vp + 32 * b, bits == 4, qp + 32 * b, dp + b, mp + b)) ok.store(false, std::memory_order_relaxed);
+  });
+  return {q, d, m, ok.load()};
+}
 
 // Whether this build and process can run the AMX path (the build has it, the OS grants the tiles).
 bool amx_ready() {

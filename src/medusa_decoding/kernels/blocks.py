@@ -91,7 +91,9 @@ def _fp16_neighbours(x: torch.Tensor) -> list[torch.Tensor]:
 
 def _solve(v: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """v [B, 32] fp32 blocks -> (q [B, 32] int, d [B], m [B]) with every value rebuilt bit for bit,
-    or None where some block has no such codes."""
+    or None where some block has no such codes. blocks.cpp's `blocks_recover` computes the same in
+    one pass; this one decides on a weight's first block whether that pass (and the kernel's build)
+    is worth it, and tests compare the two."""
     if kind is BlockKind.Q4_1:
         m = v.amin(-1)
         if not torch.equal(m.half().float(), m):
@@ -121,25 +123,29 @@ def _solve(v: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor
 
 def recover(weight: torch.Tensor) -> Blocks | None:
     """An fp32 weight [N, K] whose every value is a Q4_1 (tried first) or Q8_0 block value -> its
-    Blocks, or None (the layer stays stock)."""
+    Blocks (blocks.cpp's `blocks_recover`, one pass over the weight), or None (the layer stays stock;
+    also where the kernel does not build, the only thing that multiplies on blocks)."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     n, k = weight.shape
     if n % PANEL or k % BLOCK:
         return None
-    v = weight.detach().to("cpu").reshape(-1, BLOCK)
+    v = weight.detach().to("cpu").reshape(-1, BLOCK).contiguous()
     for kind in BlockKind:
-        solved = _solve(v, kind)
-        if solved is None:
+        if _solve(v[:1], kind) is None:  # not even the first block: no pass, no kernel build
             continue
-        q, d, m = solved
+        module = kernel()
+        if module is None:
+            return None
+        q, d, m, ok = module.blocks_recover(v, kind.bits)
+        if not ok:
+            continue
         p, nb = n // PANEL, k // BLOCK
-        qp = q.reshape(p, PANEL, k).transpose(1, 2)  # [P, K, 16]
+        qp = q.reshape(p, PANEL, k).transpose(1, 2)  # [P, K, 16] uint8
         if kind is BlockKind.Q4_1:
-            q8 = qp.to(torch.uint8)
-            codes = (q8[..., :8] | (q8[..., 8:] << 4)).contiguous()
+            codes = (qp[..., :8] | (qp[..., 8:] << 4)).contiguous()
         else:
-            codes = qp.to(torch.int8).contiguous()
+            codes = qp.contiguous().view(torch.int8)
         d, m = (t.reshape(p, PANEL, nb).transpose(1, 2).contiguous() for t in (d, m))  # [P, K/32, 16]
         return Blocks(kind, codes, d, m if kind is BlockKind.Q4_1 else torch.empty(0), (n, k))
     return None
@@ -235,7 +241,7 @@ def build(target: str, op: bool = True):
         if not (folder / f"{name}.so").is_file():
             log.warning("building the block-linear kernel for this machine (once, ~45 s)")
         module = cpp_extension.load_inline(
-            name, cpp_sources=SOURCE.read_text(), functions=["blocks_linear", "amx_ready"], build_directory=str(folder),
+            name, cpp_sources=SOURCE.read_text(), functions=["blocks_linear", "blocks_recover", "amx_ready"], build_directory=str(folder),
             extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *ISA_FLAGS[target],
                           *([] if op else ["-DMEDUSA_NO_OP"])],
             extra_ldflags=["-fopenmp"], verbose=False)
