@@ -77,9 +77,13 @@ def test_the_cost_curve_is_cached_per_machine_fingerprint(model, tmp_path, monke
         return real(*args, **kw)
 
     monkeypatch.setattr(costs, "measure", counting)
+    m.drafter.set_budget(5)  # no budget a fit chooses (costs.BUDGETS)
+    backend = m.backend
     first = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
-    assert first.source == "measured" and calls == [True] and first.path.is_file()
-    assert m.drafter.budget == first.budget and "measured now" in first.line
+    assert first.source == "measured" and calls == [True] and first.path.is_file() and "measured now" in first.line
+    assert m.drafter.budget == 5 and m.backend is backend  # the model is not changed
+    m.apply_fit(first)
+    assert m.drafter.budget == first.budget
     saved = json.loads(first.path.read_text())
     assert saved["fingerprint"] == costs.fingerprint(m) and set(costs.verify_sizes(0)) <= set(map(int, saved["verify"]))
 
@@ -266,20 +270,23 @@ def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(
     flat = costs.CostCurve({"processor": "AMX", "threads": 2, "dtype": "bfloat16", "verifier": "eager"}, 0.05,
                            {n: 1.0 + 0.003 * n for n in range(1, 49)}, {key: dict.fromkeys(ACCEPT, 0.05)})
     fit = costs.fit_budget(m, flat, tmp_path / "c.json", "cached")
+    m.apply_fit(fit)
     assert (fit.budget, fit.chain) == (32, 8) and m.ngram is not None and "with the n-gram chain" in fit.line
     # eager: each node costs 4% of a step, after a large fixed overhead; compiled, the overhead is gone
     steep = costs.CostCurve(flat.fingerprint, 0.05, {n: 0.96 + 0.04 * n for n in range(1, 49)},
                             {key: dict.fromkeys(ACCEPT, 0.05)}, compiled=0.3)
     eager = costs.fit_budget(m, steep, tmp_path / "c.json", "cached")
     compiled = costs.fit_budget(m, steep, tmp_path / "c.json", "cached", compiled=True)
-    assert eager.budget > compiled.budget and compiled.chain == 0
+    assert eager.budget > compiled.budget and compiled.chain == 0 and m.ngram is not None
+    m.apply_fit(compiled)
     assert m.ngram is None and m.drafter.budget == compiled.budget and "compiled" in compiled.line
-    costs.fit_budget(m, flat, tmp_path / "c.json", "cached")  # the chain asked for comes back where it pays
+    m.apply_fit(costs.fit_budget(m, flat, tmp_path / "c.json", "cached"))  # the chain asked for comes back where it pays
     assert m.ngram == NgramConfig(length=8)
     # where no tree pays the drafter rests: plain decoding, or the chain alone where copying pays
     dear = costs.CostCurve(flat.fingerprint, 0.05, {1: 1.0, 2: 2.5, 9: 3.0, 10: 3.1, 14: 3.5, 48: 40.0},
                            {key: dict.fromkeys(ACCEPT, 0.05)})
     fit = costs.fit_budget(m, dear, tmp_path / "c.json", "cached")
+    m.apply_fit(fit)
     assert (fit.budget, fit.chain) == (1, 0) and not m.method().speculative and "plain decoding" in fit.line
     plain = m.generate("hello", max_new_tokens=12, use_medusa=False, chat=False)
     assert m.generate("hello", max_new_tokens=12, chat=False).stats.steps == plain.stats.steps
@@ -287,6 +294,7 @@ def test_the_fit_runs_the_chain_only_where_it_pays_and_reads_the_compiled_costs(
         {"expected_tau": ACCEPT, "expected_tau_ngram": {b: 5.0 for b in [1, *ACCEPT]},
          "ngram": proposers.chain_settings(NgramConfig(length=8))}))
     fit = costs.fit_budget(m, dear, tmp_path / "c.json", "cached")
+    m.apply_fit(fit)
     assert (fit.budget, fit.chain) == (1, 8) and "chain alone" in fit.line
     method = m.method()
     assert method.drafter is None and method.ngram is not None and method.default_budget == 2
@@ -371,10 +379,14 @@ def test_bf16_turns_exact_mode_on_only_where_this_machine_measured_it_nearly_fre
 
     base = tiny_llama(seed=3).to(torch.bfloat16)
     m = saved_hydra(base, tmp_path / "d")
-    seeded_curves(m, tmp_path / "cache", exact_step_s)
+    seeded_curves(m, tmp_path / "cache" / "calibration", exact_step_s)
     monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("the cached curves were not used"))
-    fit = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
+    before = base.config._attn_implementation
+    fit = costs.fit_exactness(m, root=tmp_path / "cache" / "calibration", progress=False)
     assert fit.exact is chosen and fit.cost == pytest.approx(1 - 0.010 / exact_step_s, abs=1e-6)
+    assert base.config._attn_implementation == before  # measured in both modes, then put back
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    assert m.fit_exactness(progress=False).exact is chosen  # the model's own fit applies it
     assert base.config._attn_implementation == ("medusa_exact" if chosen else "medusa")
     assert len(fit.lines) == 2 and fit.lines[0].startswith("calibration: cached")
     assert fit.lines[1].startswith("exact mode: on" if chosen else "exact mode: off")
@@ -382,11 +394,11 @@ def test_bf16_turns_exact_mode_on_only_where_this_machine_measured_it_nearly_fre
     # (x1.86 of its t(1), 8 ms) where the fast one fits 16 (x2.46 of 10 ms): 232 vs 246 expected tokens/s
     seeded_curves(m, tmp_path / "steep", 0.008, exact_slope=0.05)
     steep = costs.fit_exactness(m, root=tmp_path / "steep", progress=False)
-    assert steep.exact and m.drafter.budget == 8 and "budget 8" in steep.lines[0]
+    assert steep.exact and steep.fit.budget == 8 and "budget 8" in steep.lines[0]
     # and at 9.5 ms exact mode loses (195 expected tokens/s): the fast mode's 16 nodes, fitted first, are set back
     seeded_curves(m, tmp_path / "dear", 0.0095, exact_slope=0.05)
     dear = costs.fit_exactness(m, root=tmp_path / "dear", progress=False)
-    assert not dear.exact and m.drafter.budget == 16 and "budget 16" in dear.lines[0]
+    assert not dear.exact and dear.fit.budget == 16 and "budget 16" in dear.lines[0]
 
 
 def test_float32_keeps_its_attention_and_says_nothing_of_exact_mode(model, tmp_path):
@@ -455,7 +467,7 @@ def test_exact_mode_is_checked_row_invariant_on_this_machine_before_it_is_chosen
     seeded_curves(m, tmp_path / "cache", 0.009)  # exact mode cheaper than fast: it would be chosen
     monkeypatch.setattr(costs, "varies_at", lambda backend, sizes: "6 nodes")
     fit = costs.fit_exactness(m, root=tmp_path / "cache", progress=False)
-    assert not fit.exact and base.config._attn_implementation == "medusa"
+    assert not fit.exact and base.config._attn_implementation == "medusa"  # as it was
     assert "a step of 6 nodes even in exact mode" in fit.lines[-1]
     # what the check found is cached with the exact-mode curve: it is not run again
     monkeypatch.setattr(costs, "varies_at", lambda backend, sizes: pytest.fail("checked again"))

@@ -44,15 +44,17 @@ VERSION = 2  # of the cached file's layout and of what it measures (2: PREFIX 30
 EXACT_MAX_COST = 0.10  # exact mode is the default where it costs at most this share of tokens/s
 
 
-def fingerprint(model) -> dict:
-    """What a cost curve depends on. model: a MedusaModel. On GGUF blocks: the kernel's source tag too
-    (its source, torch's version and the instruction set it was built for)."""
+def fingerprint(model, backend=None) -> dict:
+    """What a cost curve depends on. model: a MedusaModel; backend: what runs its steps (default: the
+    model's). On GGUF blocks: the kernel's source tag too (its source, torch's version and the
+    instruction set it was built for)."""
+    backend = backend or model.backend
     device = model.device
     cpu, isa = processor_info(device)
     return {"model": model.name, "dtype": str(model.base.dtype).removeprefix("torch."), "device": device.type,
             "processor": cpu, "isa": isa, "threads": torch.get_num_threads(),
-            "verifier": model.backend.stats()["backend"], "attention": model.base.config._attn_implementation,
-            "kernel": blocks.source_tag() if getattr(model.backend, "linears", None) == "blocks" else None,
+            "verifier": backend.stats()["backend"], "attention": model.base.config._attn_implementation,
+            "kernel": blocks.source_tag() if getattr(backend, "linears", None) == "blocks" else None,
             "torch": torch.__version__, "version": VERSION}
 
 
@@ -323,18 +325,21 @@ class Fit:
 
 
 def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: dict | None = None,
-                   root: Path | None = None, progress: bool = True, refresh: bool = False) -> dict:
+                   root: Path | None = None, progress: bool = True, refresh: bool = False,
+                   backend=None) -> dict:
     """This machine's cost curves for the model in each mode of `setups` (key -> a function putting
     the base in that mode; None: as it runs now), each holding t(n) for `sizes` and, with a
     drafter, its drafting cost at `budgets`: from the cache, or measured now, every mode in one
     interleaved run (a progress bar on stderr), and cached -> {key: (curve, its file, "cached" or
-    "measured")}. The model is left in the last mode of `setups`."""
+    "measured")}. backend: what runs the measured steps (default: the model's). The model is left in
+    the last mode of `setups`."""
+    backend = backend or model.backend
     setups = setups or {None: lambda: None}
     key = drafter_key(drafter) if drafter is not None else None
     found = {}
     for mode, setup in setups.items():
         setup()
-        fp = fingerprint(model)
+        fp = fingerprint(model, backend)
         path = cache_path(fp, root)
         found[mode] = (fp, path, None if refresh else load_curve(path, fp))
     missing_sizes = any(c is None or not set(sizes) <= set(c.verify) for _, _, c in found.values())
@@ -347,7 +352,7 @@ def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: di
     bar = _bar(calls, "calibrating for this machine") if progress else None
     t0 = time.perf_counter()
     try:
-        results = measure(model.backend, drafter if key is not None else None, sizes, timed_budgets,
+        results = measure(backend, drafter if key is not None else None, sizes, timed_budgets,
                           progress=bar.update if bar else None, verify=missing_sizes, setups=list(setups.values()))
     finally:
         if bar:
@@ -388,9 +393,10 @@ def fit_sizes(model) -> tuple[list[int], list[int]]:
 
 
 def fit_budget(model, curve: CostCurve, path: Path, source: str, compiled: bool = False) -> Fit:
-    """Choose and set the drafter's budget, and whether the n-gram chain the model was given runs
-    beside it (where the checkpoint measured its gain), from its acceptance and this machine's curve;
-    compiled: on the costs of the saved compiled graphs (compiled_costs), else the eager step's."""
+    """Choose the drafter's budget, and whether the n-gram chain the model was given runs beside it
+    (where the checkpoint measured its gain), from its acceptance and this machine's curve -> the Fit
+    (MedusaModel.apply_fit sets it); compiled: on the costs of the saved compiled graphs
+    (compiled_costs), else the eager step's."""
     drafter, ngram = model.drafter, model.ngram_asked
     chain = ngram.length if ngram else 0
     chained = drafter.acceptance(ngram) if ngram else None
@@ -412,15 +418,13 @@ def fit_budget(model, curve: CostCurve, path: Path, source: str, compiled: bool 
         line = line.replace(" of plain)", " of plain before the n-gram branch's own gain)")
     elif best["expected_speedup"] < 1:
         line += "; on this machine plain decoding (--no-medusa) is expected to be faster"
-    drafter.set_budget(budget)
-    model.ngram = ngram if chain else None
     return Fit(budget, source, line, table, path, curve.step_s, chain if chained is not None else None)
 
 
 def fit_to_machine(model, root: Path | None = None, progress: bool = True, refresh: bool = False,
                    compiled=None) -> Fit:
-    """Choose the drafter's budget (and the n-gram chain) for this machine and set them. model: a
-    MedusaModel. The cost curve comes from the cache when this machine measured it before, else it
+    """Choose the drafter's budget (and the n-gram chain) for this machine -> the Fit (the model is
+    not changed: MedusaModel.apply_fit sets it). model: a MedusaModel. The cost curve comes from the cache when this machine measured it before, else it
     is measured now (about 10-30 s on a 2-core CPU; a progress bar on stderr) and cached. refresh:
     measure again. compiled: the compiled backend (compile mode auto) that will run the model
     (default: its backend, if compiled): once it has the saved one-node graph, the budget is fitted
@@ -431,19 +435,14 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     sizes, budgets = fit_sizes(model)
     if compiled is None and model.backend.compiled:
         compiled = model.backend
-    running = model.backend
-    if running.compiled:  # the curve is measured eager
-        model.backend = EagerBackend(model.base)
-    try:
-        ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
-                                                  refresh).values()
-        if compiled is not None and curve.compiled is None:
-            curve.compiled = compiled_ratio(model.backend, compiled, model.drafter.feature_layers)
-            if curve.compiled is not None:
-                save_curve(curve, path)
-        fit = fit_budget(model, curve, path, source, compiled=compiled is not None and curve.compiled is not None)
-    finally:
-        model.backend = running
+    eager = EagerBackend(model.base) if model.backend.compiled else model.backend  # the curve is measured eager
+    ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
+                                              refresh, backend=eager).values()
+    if compiled is not None and curve.compiled is None:
+        curve.compiled = compiled_ratio(eager, compiled, model.drafter.feature_layers)
+        if curve.compiled is not None:
+            save_curve(curve, path)
+    fit = fit_budget(model, curve, path, source, compiled=compiled is not None and curve.compiled is not None)
     if compiled is not None and curve.compiled is None:
         fit.line += (" (compile mode auto: fitted to the eager step, which runs until the compiled graphs are "
                      "built; the next run fits the compiled step)")
@@ -464,13 +463,15 @@ class ExactFit:
     exact: bool
     lines: list[str]  # the budget's calibration line (when fitted) and the one saying which mode
     cost: float | None = None  # exact mode's share of tokens/s lost on this machine (None: not measured)
+    fit: Fit | None = None  # the budget chosen for that mode (None: none fitted)
 
 
 def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: bool = True,
                   refresh: bool = False, use_medusa: bool = True, compiled=None) -> ExactFit:
     """Choose exact mode (every decoding forward row-invariant: bf16 speculative output equals
     bf16 plain output bit for bit) where it costs this machine <= EXACT_MAX_COST of the expected
-    tokens/s, and set it. model: a MedusaModel. fit: also fit the drafter's budget, in each mode
+    tokens/s -> the ExactFit (the model is not changed: MedusaModel.apply_fit sets it; the attention
+    kernel it measures in each mode is put back). model: a MedusaModel. fit: also fit the drafter's budget, in each mode
     (the budgets may differ); else compare one step at the method's largest tree (use_medusa=False:
     plain decoding's one-token step). Both modes are measured in one interleaved run (or read from
     the cache). Float32 is left as it is: its speculative output already equals plain output
@@ -478,40 +479,18 @@ def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: b
     base = model.base
     reason = unfitted(model) if fit else None
     if base.dtype in (torch.float32, torch.float64):
-        return ExactFit(False, [fit_to_machine(model, root, progress, refresh, compiled).line] if fit else [])
+        budget = fit_to_machine(model, root, progress, refresh, compiled) if fit else None
+        return ExactFit(False, [budget.line] if budget else [], fit=budget)
     if model.backend.compiled or not fits_short_query_attention(base.config):
         why = "the step is compiled" if model.backend.compiled else f"{base.config.model_type} does not fit its kernel"
-        return ExactFit(False, ([fit_to_machine(model, root, progress, refresh).line] if fit else [])
-                        + [f"exact mode: off ({why})"])
-    fitting = fit and reason is None
-    n = max(model.tree_sizes(use_medusa))
-    sizes, budgets = fit_sizes(model) if fitting else ([1, n], [])
-    modes = {exact: (lambda exact=exact: use_fast_attention(base, exact=exact)) for exact in (False, True)}
-    curves = machine_curves(model, sizes, model.drafter if fitting else None, budgets, modes, root, progress, refresh)
-    rates, fits = {}, {}
-    for exact, (curve, path, source) in curves.items():
-        use_fast_attention(base, exact=exact)
-        if fitting:
-            fits[exact] = fit_budget(model, curve, path, source)
-            rates[exact] = fits[exact].speedup / curve.step_s
-        else:  # nothing to fit: one step of the method's largest tree
-            rates[exact] = 1 / (curve.step_s * curve.verify[n])
-    # is exact mode exact on this machine's kernels, at the step sizes it would run?
-    if fitting:
-        model.drafter.set_budget(fits[True].budget)
-    checked = model.tree_sizes(use_medusa)
-    exact_curve, exact_path, source = curves[True]
-    key = ",".join(map(str, checked))
-    if key not in exact_curve.varies_at or source == "measured":
-        use_fast_attention(base, exact=True)
-        exact_curve.varies_at[key] = varies_at(model.backend, checked)
-        save_curve(exact_curve, exact_path)
-    broken = exact_curve.varies_at[key]
-    chosen = broken is None and prefer_exact(rates[False], rates[True])
-    use_fast_attention(base, exact=chosen)
-    if fitting:
-        model.drafter.set_budget(fits[chosen].budget)
-    cost = 1 - rates[True] / rates[False]
+        budget = fit_to_machine(model, root, progress, refresh) if fit else None
+        return ExactFit(False, ([budget.line] if budget else []) + [f"exact mode: off ({why})"], fit=budget)
+    running = base.config._attn_implementation
+    try:
+        chosen, cost, broken, fits = _measure_exactness(model, fit and reason is None, root, progress, refresh,
+                                                        use_medusa)
+    finally:
+        base.set_attn_implementation(running)
     costs_here = f"costs {cost:.0%} of tokens/s on this machine" if cost > 0 else "no slower on this machine"
     if broken is not None:
         said = (f"exact mode: off (on this machine a row's logits change in a step of {broken} even in exact mode: "
@@ -522,8 +501,39 @@ def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: b
                 if chosen else
                 f"exact mode: off (it would cost {cost:.0%} of tokens/s on this machine, more than {EXACT_MAX_COST:.0%}; "
                 "--exact turns it on)")
-    lines = [fits[chosen].line] if fitting else [reason.line] if fit and reason.source != "given" else []
-    return ExactFit(chosen, lines + [said], cost)
+    budget = fits.get(chosen)
+    lines = [budget.line] if budget else [reason.line] if fit and reason.source != "given" else []
+    return ExactFit(chosen, lines + [said], cost, budget)
+
+
+def _measure_exactness(model, fitting: bool, root, progress, refresh, use_medusa):
+    """Both modes' costs (and budgets, when fitting), in one interleaved run or from the cache, and
+    whether exact mode is row-invariant at the step sizes it would run -> (exact chosen, its cost,
+    the first step size that broke it or None, {exact: Fit} when fitting). Leaves the attention
+    kernel in whatever mode it measured last (fit_exactness puts it back)."""
+    base = model.base
+    n = max(model.tree_sizes(use_medusa))
+    sizes, budgets = fit_sizes(model) if fitting else ([1, n], [])
+    modes = {exact: (lambda exact=exact: use_fast_attention(base, exact=exact)) for exact in (False, True)}
+    curves = machine_curves(model, sizes, model.drafter if fitting else None, budgets, modes, root, progress, refresh)
+    rates, fits = {}, {}
+    for exact, (curve, path, source) in curves.items():
+        if fitting:
+            fits[exact] = fit_budget(model, curve, path, source)
+            rates[exact] = fits[exact].speedup / curve.step_s
+        else:  # nothing to fit: one step of the method's largest tree
+            rates[exact] = 1 / (curve.step_s * curve.verify[n])
+    # is exact mode exact on this machine's kernels, at the step sizes it would run?
+    checked = model.tree_sizes(use_medusa, fits.get(True))
+    exact_curve, exact_path, source = curves[True]
+    key = ",".join(map(str, checked))
+    if key not in exact_curve.varies_at or source == "measured":
+        use_fast_attention(base, exact=True)
+        exact_curve.varies_at[key] = varies_at(model.backend, checked)
+        save_curve(exact_curve, exact_path)
+    broken = exact_curve.varies_at[key]
+    chosen = broken is None and prefer_exact(rates[False], rates[True])
+    return chosen, 1 - rates[True] / rates[False], broken, fits
 
 
 def _bar(total: int, label: str):

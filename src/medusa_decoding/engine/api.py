@@ -10,6 +10,7 @@ from a DecodeSpec (`from_spec`, the one place a method is put together), and the
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from ..config import (DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationCon
                       SamplingConfig)
 from ..grammar import Grammars
 from ..datastore import Datastore
-from ..models import load_base
+from ..models import load_base, use_fast_attention
 from ..proposers import Drafter
 from ..spec import DecodeSpec
 from ..text import TextDecoder
@@ -135,11 +136,29 @@ class MedusaModel:
         """Medusa heads' tree (static TreeBuffers or DynamicTree); the one-node tree otherwise."""
         return getattr(self.drafter, "tree", ROOT_ONLY)
 
-    def method(self, use_medusa: bool = True) -> Method:
+    def method(self, use_medusa: bool = True, fit=None) -> Method:
+        """How its rows propose (use_medusa False: plain decoding); fit: as a costs.Fit would set it
+        (the model is not changed)."""
         if not use_medusa:
             return Method()
-        resting = self.drafter is not None and self.drafter.default_budget < 2  # a fit found no tree worth it
-        return Method(None if resting else self.drafter, self.ngram, self.datastore)
+        drafter, ngram = self.fitted(fit) if fit is not None else (self.drafter, self.ngram)
+        resting = drafter is not None and drafter.default_budget < 2  # a fit found no tree worth it
+        return Method(None if resting else drafter, ngram, self.datastore)
+
+    def fitted(self, fit):
+        """The drafter and n-gram branch a costs.Fit chooses -> (drafter, ngram): a copy of the drafter
+        at the fit's budget, and the n-gram branch asked for unless the fit turned it off."""
+        drafter = self.drafter
+        if fit.budget is not None and drafter is not None:
+            drafter = copy.copy(drafter)  # shares the weights; its budget is its own
+            drafter.set_budget(fit.budget)
+        return drafter, self.ngram_asked if fit.chain is None or fit.chain else None
+
+    def apply_fit(self, fit) -> None:
+        """Decode as the costs.Fit chose from now on: the drafter's budget and the n-gram branch."""
+        if fit.budget is not None and self.drafter is not None:
+            self.drafter.set_budget(fit.budget)
+        self.ngram = self.fitted(fit)[1]
 
     def verifier(self, rows: int = 1, use_medusa: bool = True) -> TransformersVerifier:
         """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""
@@ -150,18 +169,22 @@ class MedusaModel:
         return Decoder(self.verifier(max_batch_size, use_medusa), self.method(use_medusa), self.eos_token_ids, max_batch_size,
                        policy, self.grammars)
 
-    def tree_sizes(self, use_medusa: bool = True) -> list[int]:
-        """Node counts of the verification steps this model takes: the shapes a compiled backend needs."""
-        return self.method(use_medusa).tree_sizes()
+    def tree_sizes(self, use_medusa: bool = True, fit=None) -> list[int]:
+        """Node counts of the verification steps this model takes (fit: once a costs.Fit is applied):
+        the shapes a compiled backend needs."""
+        return self.method(use_medusa, fit).tree_sizes()
 
     def fit_to_machine(self, refresh: bool = False, progress: bool = True, compiled=None):
         """Choose the drafter's budget (and whether the n-gram chain runs) for this machine from its
         shipped acceptance statistics and this machine's verify and drafting costs (measured once,
-        ~10-30 s, then cached under $MEDUSA_CACHE/calibration) -> a costs.Fit whose `line` says which
-        calibration is in use. compiled: the compiled backend that will run it (compile mode auto)."""
+        ~10-30 s, then cached under $MEDUSA_CACHE/calibration), and decode so from now on -> the
+        costs.Fit, whose `line` says which calibration is in use. compiled: the compiled backend that
+        will run it (compile mode auto)."""
         from ..costs import fit_to_machine
 
-        return fit_to_machine(self, refresh=refresh, progress=progress, compiled=compiled)
+        fit = fit_to_machine(self, refresh=refresh, progress=progress, compiled=compiled)
+        self.apply_fit(fit)
+        return fit
 
     def fit_exactness(self, fit_budget: bool = True, refresh: bool = False, progress: bool = True,
                       use_medusa: bool = True, compiled=None):
@@ -171,8 +194,13 @@ class MedusaModel:
         was chosen. compiled: as fit_to_machine's."""
         from ..costs import fit_exactness
 
-        return fit_exactness(self, fit_budget, refresh=refresh, progress=progress, use_medusa=use_medusa,
-                             compiled=compiled)
+        chosen = fit_exactness(self, fit_budget, refresh=refresh, progress=progress, use_medusa=use_medusa,
+                               compiled=compiled)
+        if chosen.fit is not None:
+            self.apply_fit(chosen.fit)
+        if chosen.exact:
+            use_fast_attention(self.base, exact=True)
+        return chosen
 
     def warmup(self, max_slots: int, use_medusa: bool = True) -> float:
         """Compile every verification shape for sequences up to max_slots tokens (prompt and answer)
