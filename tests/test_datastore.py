@@ -112,7 +112,7 @@ def test_chains_from_the_datastore_keep_plain_output_and_are_accepted(model, wit
         for with_store in (True, False):
             got, stats = run(model, p, heads, ngram, store if with_store else None)
             assert got == plain
-            accepted[with_store] += stats.ngram_accepted
+            accepted[with_store] += stats.accepted_by.get("ngram", 0)
     assert accepted[True] > accepted[False] + 10
 
 

@@ -192,7 +192,7 @@ def test_ngram_branch_keeps_plain_output_and_copies(model, with_heads):
                                 stats, ngram=NgramConfig(length=6)):
                 got += chunk
             assert got == want
-            copied += stats.ngram_accepted
+            copied += stats.accepted_by.get("ngram", 0)
     assert copied > 20
 
 
@@ -215,7 +215,7 @@ def test_the_default_chain_accepted_whole_starts_copy_steps(model, with_heads):
                             ngram=cfg):
             got += chunk
         assert got == want
-        copy_steps += stats.copy_steps
+        copy_steps += stats.counters.get("copy_steps", 0)
     assert copy_steps > 0
 
 

@@ -76,7 +76,7 @@ def test_stream_provenance_sums_up_to_the_stats(server, model):
         missing = round(share * summary["steps"]) - sum(t["depth"] == d for t in tokens)
         assert missing in ((0, 1) if cut and d > len(last) else (0,)), d
     ngram = sum(t["source"] == "ngram" for t in tokens)
-    assert ngram == summary["ngram_accepted"] or (cut and last[0]["source"] == "ngram")
+    assert ngram == summary["accepted_by"].get("ngram", 0) or (cut and last[0]["source"] == "ngram")
     accepted = sum(t["depth"] > 0 for t in tokens)
     assert accepted > 0 and ngram > 0  # both kinds occur, so the sums test something
     for step in per_step.values():  # each step: its drafts at depth 1, 2, ... from one branch, then the bonus

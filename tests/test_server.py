@@ -480,6 +480,27 @@ def test_logprobs_are_the_models_in_chat_and_completions(server, medusa, stream)
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_answers_own_ids(server, medusa, stream):
+    """return_token_ids (as vLLM): the choice's ids are the engine's tokens for the answer, chunk by
+    chunk when streamed; without it a choice has no token_ids."""
+    client = server.client()
+    want = medusa.generate("def f(x):", chat=False, max_new_tokens=12)
+    out = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=12, temperature=0, stream=stream,
+                                    extra_body={"return_token_ids": True})
+    chunks = list(out) if stream else [out]
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert ids == want.token_ids and "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    messages = [{"role": "user", "content": "Hello there"}]
+    want = medusa.generate(messages, max_new_tokens=8)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=stream,
+                                         extra_body={"return_token_ids": True})
+    chunks = list(out) if stream else [out]
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == want.token_ids
+    plain = client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 def test_metrics_count_what_the_answers_say(medusa):
     """GET /metrics parses as Prometheus text, and its counters add up to the answers' own
     figures: completion and prompt tokens, row steps, accepted candidates in total and per depth

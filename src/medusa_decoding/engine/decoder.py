@@ -12,7 +12,6 @@ token-identical to plain decoding of that row alone, whatever the drafts.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections.abc import Hashable, Iterable
@@ -24,7 +23,7 @@ from ..acceptance import History, accept, penalize, token_logprobs
 from ..config import GenerationConfig, MedusaError, NgramConfig, SamplingConfig
 from ..datastore import Datastore
 from ..grammar import Grammars, RowGrammar
-from ..proposers import Drafter, Proposer
+from ..proposers import Drafter, Proposer, Source
 from ..proposers.constrained import GrammarFilter
 from ..proposers.forced import ForcedBranch
 from ..proposers.ngram import NgramBranch
@@ -48,9 +47,8 @@ class GenerationStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # this sequence's share of its steps' time
-    ngram_steps: int = 0  # steps whose tree carried an n-gram branch
-    ngram_accepted: int = 0  # candidates accepted on the n-gram branch
-    copy_steps: int = 0  # steps that verified the n-gram chain alone (NgramConfig.copy_run)
+    accepted_by: dict[str, int] = field(default_factory=dict)  # candidates accepted, by Source (draft, ngram, forced)
+    counters: dict[str, int] = field(default_factory=dict)  # its proposers' own (Proposer.counters)
     nodes: int = 0  # tree nodes verified, summed over steps
     grammar_s: float = 0.0  # time in the grammar's matcher and masks (structured outputs), within prefill_s and decode_s
 
@@ -94,8 +92,8 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
             "mean_accepted_length": self.mean_accepted_length, "acceptance_per_depth": self.acceptance_per_depth,
             "accepted_lengths": self.accepted_lengths, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-            "tokens_per_s": self.tokens_per_s, "ngram_steps": self.ngram_steps,
-            "ngram_accepted": self.ngram_accepted, "copy_steps": self.copy_steps, "grammar_s": self.grammar_s,
+            "tokens_per_s": self.tokens_per_s, "accepted_by": dict(self.accepted_by),
+            "counters": dict(self.counters), "grammar_s": self.grammar_s,
         }
 
 
@@ -109,16 +107,6 @@ class Request:
     id: Hashable | None = None  # None: the decoder numbers it
     stats: GenerationStats | None = None  # filled in as it decodes (None: a new one)
     speculative: bool = True  # False: this row decodes plainly (the root alone), whatever the method
-
-
-class Source(str, enum.Enum):
-    """Where an emitted token came from (its provenance)."""
-
-    PREFILL = "prefill"  # the first token, from the prompt's forward
-    BONUS = "bonus"  # the base model's own token that ends a step
-    DRAFT = "draft"  # a drafter's candidate that the base model accepted
-    NGRAM = "ngram"  # an n-gram candidate (copied from the context) that the base model accepted
-    FORCED = "forced"  # a token the grammar allowed alone, proposed beside the tree, accepted
 
 
 @dataclass
@@ -374,17 +362,11 @@ class Decoder:
             st.record(len(new))
             st.nodes += p.tokens.numel() if p is not None else 1
             draft = Source.DRAFT
-            # the accepted path's chain, if on one (one host read, only on steps that carried a chain)
-            if p is not None and (p.chain or p.forced) and len(new) > 1:
-                first, n = int(r.nodes[1]), p.tree.num_nodes
-                if first >= n - p.chain:
-                    draft = Source.NGRAM
-                elif first >= n - p.chain - p.forced:
-                    draft = Source.FORCED
-            if p is not None and p.chain:
-                st.ngram_steps += 1
-                st.copy_steps += p.copy_step
-                st.ngram_accepted += (len(new) - 1) * (draft is Source.NGRAM)
+            if len(new) > 1:  # the accepted path's branch (one host read, only on steps that carried one)
+                if p.branches:
+                    draft = p.source_of(int(r.nodes[1]))
+                st.accepted_by[draft.value] = st.accepted_by.get(draft.value, 0) + len(new) - 1
+            st.counters = s.proposer.counters()
             depths = list(range(1, len(new))) + [0]
             sources = [draft] * (len(new) - 1) + [Source.BONUS]
             new = self._cut(s, new)

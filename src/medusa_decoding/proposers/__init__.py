@@ -11,7 +11,9 @@ Two levels, as transformers' candidate generators and vLLM's proposers have them
           first; or None for the root alone (nothing worth verifying, or budget 1);
       observe(hidden [A, D], next_tokens [A], nodes [A] | None): the positions just verified,
           the token that follows each, and which nodes of the last proposal were accepted.
-The n-gram branch (ngram.py) wraps any proposer, or none: its chain joins the tree.
+Branch proposers (the n-gram branch of ngram.py, the grammar's forced tokens of forced.py) wrap
+another proposer, or none: each hangs a chain under the root, a `Branch` of the proposal, by which
+the decoder labels the tokens accepted on it.
 
 `REGISTRY` maps a drafter kind (the `drafter` field of a checkpoint's config.json, a
 `DrafterKind` for the built-in ones) to how that checkpoint is loaded, wrapped and trained. It
@@ -21,6 +23,7 @@ plus one `register` call.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,18 +36,47 @@ from ..tree import TreeBuffers
 
 
 
+class Source(str, enum.Enum):
+    """Where an emitted token came from (its provenance)."""
+
+    PREFILL = "prefill"  # the first token, from the prompt's forward
+    BONUS = "bonus"  # the base model's own token that ends a step
+    DRAFT = "draft"  # a drafter's candidate that the base model accepted
+    NGRAM = "ngram"  # an n-gram candidate (copied from the context) that the base model accepted
+    FORCED = "forced"  # a token the grammar allowed alone, proposed beside the tree, accepted
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A chain of candidates hung under the root beside the drafter's tree (ngram.py, forced.py)."""
+
+    source: Source  # what proposed it
+    length: int  # its nodes
+
+
 @dataclass
 class Proposal:
     """One row's candidates for one verification step."""
 
     tokens: torch.Tensor  # [N] long, the root first
-    tree: TreeBuffers  # mask [N, N], depth [N], parent [N]; an n-gram chain is its last nodes
-    chain: int = 0  # nodes of the n-gram chain (the last ones)
-    forced: int = 0  # nodes of the grammar's forced chain (forced.py), just before the n-gram chain
-    copy_step: bool = False  # the chain alone, after a step that copied (ngram.py)
+    tree: TreeBuffers  # mask [N, N], depth [N], parent [N]
+    branches: tuple[Branch, ...] = ()  # chains under the root, in node order: the tree's last nodes
     score: torch.Tensor | None = None  # [N_head] float: a drafter's cumulative log-probability of each branch
     # [N, W] int32: each node's grammar mask, where a grammar filter (constrained.py) walked the tree
     masks: torch.Tensor | None = None
+
+    def source_of(self, node: int) -> Source:
+        """Which proposer a node below the root came from: its branch's, else the drafter (DRAFT)."""
+        end = self.tree.num_nodes
+        for branch in reversed(self.branches):
+            if node >= end - branch.length:
+                return branch.source
+            end -= branch.length
+        return Source.DRAFT
+
+    def with_branch(self, tokens: torch.Tensor, tree: TreeBuffers, branch: Branch) -> Proposal:
+        """This proposal with `branch`'s tokens [L] appended, `tree` being its tree with the chain."""
+        return Proposal(torch.cat([self.tokens, tokens]), tree, self.branches + (branch,), self.score)
 
 
 class Proposer:
@@ -69,6 +101,11 @@ class Proposer:
     def use_graphs(self, graphs) -> None:
         """Draft on `graphs` (verifiers.compiled.DraftGraphs: its drafter's drafting compiled) where
         they are built; a proposer without a drafting module ignores them."""
+
+    def counters(self) -> dict[str, int]:
+        """Its own counts over the row's steps so far (the n-gram branch: ngram_steps, copy_steps);
+        a proposer that wraps another adds the inner one's."""
+        return {}
 
 
 class Drafter:

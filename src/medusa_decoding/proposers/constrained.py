@@ -19,7 +19,7 @@ import torch
 from ..drafters import keep_order
 from ..grammar import RowGrammar
 from ..tree import tree_from_parents
-from . import Proposal, Proposer
+from . import Branch, Proposal, Proposer
 
 OVERDRAFT = 2  # a scored drafter is asked for this many times the budget's nodes
 
@@ -70,13 +70,19 @@ class GrammarFilter(Proposer):
         parent = torch.where(parent >= 0, remap[parent.clamp(min=0)], -1)
         depth = p.tree.depth[kept]
         tree = tree_from_parents(parent, depth, int(depth.max()))
-        chain = int(keep[n - p.chain:].sum()) if p.chain else 0
-        forced = int(keep[n - p.chain - p.forced: n - p.chain].sum()) if p.forced else 0
+        branches, end = [], n  # each chain's valid prefix, the last chain last
+        for branch in reversed(p.branches):
+            valid_nodes = int(keep[end - branch.length: end].sum())
+            end -= branch.length
+            if valid_nodes:
+                branches.insert(0, Branch(branch.source, valid_nodes))
         self.kept = kept
-        return Proposal(p.tokens[kept], tree, chain=chain, forced=forced, copy_step=p.copy_step,
-                        score=None, masks=bits[kept])
+        return Proposal(p.tokens[kept], tree, tuple(branches), score=None, masks=bits[kept])
 
     def observe(self, hidden, next_tokens, nodes) -> None:
         if nodes is not None and self.kept is not None:
             nodes = self.kept[nodes]  # the inner proposal's own node numbers
         self.inner.observe(hidden, next_tokens, nodes)
+
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()

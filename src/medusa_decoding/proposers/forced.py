@@ -13,7 +13,7 @@ import torch
 
 from ..grammar import RowGrammar
 from ..tree import build_tree, with_chain
-from . import Proposal, Proposer
+from . import Branch, Proposal, Proposer, Source
 
 FORCED_LENGTH = 16  # forced tokens verified in one step, at most
 
@@ -40,12 +40,15 @@ class ForcedBranch(Proposer):
         if not forced:
             return base
         tokens = torch.tensor(forced, dtype=torch.long, device=root.device)  # [L]
+        branch = Branch(Source.FORCED, len(forced))
         if base is None:
             if len(forced) not in self._chains:
                 self._chains[len(forced)] = build_tree([], len(forced)).to(root.device)
-            return Proposal(torch.cat([root.reshape(1), tokens]), self._chains[len(forced)], forced=len(forced))
-        return Proposal(torch.cat([base.tokens, tokens]), with_chain(base.tree, len(forced)), score=base.score,
-                        forced=len(forced))
+            return Proposal(torch.cat([root.reshape(1), tokens]), self._chains[len(forced)], (branch,))
+        return base.with_branch(tokens, with_chain(base.tree, len(forced)), branch)
 
     def observe(self, hidden, next_tokens, nodes) -> None:
         self.inner.observe(hidden, next_tokens, nodes)
+
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()

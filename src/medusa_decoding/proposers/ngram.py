@@ -21,7 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..config import NgramConfig
 from ..datastore import Datastore
 from ..tree import TreeBuffers, build_tree, with_chain
-from . import Proposal, Proposer
+from . import Branch, Proposal, Proposer, Source
 
 
 def lookup(context: np.ndarray, config: NgramConfig, length: int) -> np.ndarray | None:
@@ -63,6 +63,8 @@ class NgramBranch(Proposer):
         self.context = np.zeros(0, dtype=np.int64)  # [T]: prompt and emitted tokens, the root last
         self.copying = False  # the last step accepted copy_run chain tokens or more
         self.last: Proposal | None = None
+        self.steps = 0  # proposals that carried its chain
+        self.copy_steps = 0  # of them, the chain alone after a step that copied
         self._chains: dict[int, TreeBuffers] = {}  # L -> the chain alone under the root
         self._joined: dict[tuple[int, int], tuple[TreeBuffers, TreeBuffers]] = {}  # a static tree + chain
 
@@ -90,14 +92,15 @@ class NgramBranch(Proposer):
         if chain is None:
             return base
         tokens = padded(chain, length, root.device)  # [L]
+        branch = Branch(Source.NGRAM, length)
         if base is None:  # the chain alone
             if length not in self._chains:
                 self._chains[length] = build_tree([], length).to(root.device)
-            self.last = Proposal(torch.cat([root.reshape(1), tokens]), self._chains[length], chain=length,
-                                 copy_step=copying)
+            self.last = Proposal(torch.cat([root.reshape(1), tokens]), self._chains[length], (branch,))
+            self.copy_steps += copying
         else:
-            self.last = Proposal(torch.cat([base.tokens, tokens]), self._join(base.tree, length), chain=length,
-                                 score=base.score, forced=base.forced)
+            self.last = base.with_branch(tokens, self._join(base.tree, length), branch)
+        self.steps += 1
         return self.last
 
     def _join(self, tree: TreeBuffers, length: int) -> TreeBuffers:
@@ -117,7 +120,11 @@ class NgramBranch(Proposer):
         self.context = np.concatenate([self.context, np.asarray(fresh.tolist(), dtype=np.int64)])
         self.copying = False
         if last is not None and nodes is not None and len(nodes) > 1:
-            on_chain = int(nodes[1]) >= last.tree.num_nodes - last.chain
+            on_chain = last.source_of(int(nodes[1])) is Source.NGRAM
             self.copying = on_chain and cfg.copies_after(len(nodes) - 1)
         if self.inner is not None:
             self.inner.observe(hidden, next_tokens, nodes)
+
+    def counters(self) -> dict[str, int]:
+        inner = self.inner.counters() if self.inner is not None else {}
+        return inner | {"ngram_steps": self.steps, "copy_steps": self.copy_steps}

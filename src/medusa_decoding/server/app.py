@@ -55,6 +55,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     logprobs: bool  # the answer carries each token's log-probability
+    token_ids: bool  # the answer carries its tokens' ids (return_token_ids)
 
 
 class Service:
@@ -167,7 +168,8 @@ class Service:
         if who:
             log.info("request %s from user %r", request.id, who)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage, logprobs is not None)
+        return _Prepared(Job(request), stop, prompt_tokens, body.stream, include_usage, logprobs is not None,
+                         body.return_token_ids)
 
     @staticmethod
     def logprobs(body: _Body) -> int | None:
@@ -220,6 +222,8 @@ class Service:
                   if kind == "text_completion" else
                   {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": logprobs,
                    "finish_reason": result["finish_reason"]})
+        if prepared.token_ids:
+            choice["token_ids"] = list(text.token_ids)
         return {**meta, "object": kind, "choices": [choice], "usage": result["usage"], "medusa": result["medusa"]}
 
     def logprob_block(self, prepared: _Prepared, pieces: list[tuple[int, str]], kind: str, offset: int) -> dict | None:
@@ -253,7 +257,7 @@ class Service:
                       "total_tokens": prepared.prompt_tokens + completion},
             "medusa": {"steps": stats.steps, "mean_accepted_length": round(stats.mean_accepted_length, 4),
                        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
-                       "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "ngram_accepted": stats.ngram_accepted,
+                       "tree_nodes": round(stats.nodes / max(stats.steps, 1), 2), "accepted_by": dict(stats.accepted_by),
                        "method": self.method.describe() if job.request.speculative else "plain",
                        "tokens_per_s": round(stats.tokens_per_s, 2), "prefill_s": round(stats.prefill_s, 4),
                        "decode_s": round(stats.decode_s, 4)},
@@ -268,10 +272,11 @@ class Service:
         def choice(delta: str | None, pieces: list[tuple[int, str]], finish: str | None = None,
                    role: bool = False) -> dict:
             logprobs = self.logprob_block(prepared, pieces, kind, sent) if pieces else None
+            ids = {"token_ids": [text.token_ids[i] for i, _ in pieces]} if prepared.token_ids else {}
             if kind == "text_completion":
-                return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+                return {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish} | ids
             d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
-            return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish} | ids
 
         def provenance(pieces: list[tuple[int, str]]) -> list[dict]:
             """These tokens (index, text): text, step, depth, source."""

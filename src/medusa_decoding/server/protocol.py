@@ -60,6 +60,8 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # an end-user id: written to the server's log with the request
     speculative: bool = True  # extension: False decodes this request plainly (a side-by-side baseline)
+    # extension (as vLLM): each choice carries `token_ids`, the ids of its text's tokens (streamed: each chunk's)
+    return_token_ids: bool = False
     # extension (as vLLM): one of {"json": schema, "json_object": true, "regex": r, "grammar": lark, "choice": [..]}
     structured_outputs: dict[str, Any] | None = None
     # OpenAI fields this server refuses unless they ask for nothing (REFUSED)
