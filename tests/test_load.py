@@ -1,4 +1,4 @@
-"""The short load and fault test of the server (scripts/load_test.py's run_load), the schema fuzz
+"""The short load and fault test of the server (`medusa load-test`'s run_load), the schema fuzz
 test from the server's own OpenAPI document, and SIGTERM during streams."""
 
 import asyncio
@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,8 @@ from medusa_decoding.server import create_app  # noqa: E402
 
 from conftest import Server, byte_tokenizer, random_heads, tiny_llama  # noqa: E402
 from test_methods import random_drafter  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from load_test import run_load  # noqa: E402
+from medusa_decoding.config import LoadConfig  # noqa: E402
+from medusa_decoding.server.load import run_load  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +38,7 @@ def servers():
 
 
 def test_64_clients_mixed_faults_no_5xx_no_wrong_answer_every_slot_freed(servers):
-    report = asyncio.run(run_load([s.url for s in servers], clients=64, duration_s=12, max_tokens=12))
+    report = asyncio.run(run_load([s.url for s in servers], LoadConfig(clients=64, duration_s=12, max_tokens=12)))
     assert report["ok"], json.dumps(report["problems"], indent=1)
     counts, status = report["counts"], report["status"]
     assert counts["answered"] > 100 and counts["disconnected"] > 5 and counts["malformed"] > 5
@@ -200,3 +198,28 @@ def test_unicode_in_every_string_field_never_a_5xx(servers):
     settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck),
              derandomize=True)(given(st.sampled_from(STRING_FIELDS), texts, st.booleans())(fuzz_one))()
     assert seen.get(200) and seen.get(400)
+
+
+def test_cli_load_test_starts_its_server_reports_and_leaves_nothing_running(tmp_path_factory, tmp_path):
+    from conftest import save_tiny
+
+    folder, heads = save_tiny(tmp_path_factory, max_positions=256)
+    serve = f"--model {folder} --heads {heads} --dtype float32 --device cpu --max-batch-size 2"
+    with open(tmp_path / "stderr", "w") as err:  # a file, not a pipe: a server left running would hold a pipe open
+        done = subprocess.run([sys.executable, "-m", "medusa_decoding.cli", "load-test", "--serve", serve, "--clients",
+                               "4", "--duration", "2", "--max-tokens", "4", "--out", str(tmp_path / "report.json")],
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (tmp_path / "stderr").read_text()[-2000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["counts"]["answered"] > 0 and report == json.loads((tmp_path / "report.json").read_text())
+    (url,) = report["servers"]
+    with pytest.raises(httpx.ConnectError):  # the server it started was stopped with it
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_cli_load_test_needs_a_server(capsys, monkeypatch):
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, monkeypatch, "load-test")
+    assert code == 2 and "give --url" in err

@@ -34,6 +34,8 @@ from .tree import build_tree
 from .verifiers.transformers import TransformersVerifier
 
 RANKS = 10
+PROMPTS = 24  # calibration prompts (`medusa calibrate --limit`)
+ANSWER_TOKENS = 128  # tokens of each calibration answer
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -137,7 +139,7 @@ def save(calibration: Calibration, out: Path) -> None:
     out.write_text(json.dumps(calibration.to_json(), indent=1) + "\n")
 
 
-def calibration_prompts(path: Path | None, limit: int) -> list[str]:
+def calibration_prompts(path: Path | None, limit: int = PROMPTS) -> list[str]:
     """First user turns: from a JSONL file (Spec-Bench's "turns", or "prompt"), or by default
     from held-out ShareGPT conversations (never the benchmark's own questions)."""
     from collections import Counter
@@ -331,7 +333,7 @@ def chain_tau(tau: dict[int, float], recorders: list[_Recorder], ngram: NgramCon
     return chained_tau(tau, gains)
 
 
-def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = 128, budgets=BUDGETS,
+def acceptance_curve(model, inputs: list[torch.Tensor], max_new_tokens: int = ANSWER_TOKENS, budgets=BUDGETS,
                      progress=None, ngram: NgramConfig | None = None) -> dict:
     """model: a MedusaModel holding a hydra/eagle drafter; inputs: input_ids [1, T] each ->
     {"expected_tau": {budget: mean accepted length per step, bonus included}, "steps", ...}:
@@ -361,7 +363,7 @@ def save_acceptance(result: dict, folder: Path) -> None:
 DRAFT_GRID = tuple((depth, width, budget) for depth in (3, 4, 5, 6) for width in (4,) for budget in (6, 8, 12, 16))
 
 
-def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = 96, grid=DRAFT_GRID,
+def fit_drafter(model, inputs: list[torch.Tensor], max_new_tokens: int = ANSWER_TOKENS, grid=DRAFT_GRID,
                 progress=None) -> dict:
     """model: a MedusaModel holding a hydra/eagle drafter (and its n-gram branch, if any, as
     generate runs it); inputs: input_ids [1, T] each.

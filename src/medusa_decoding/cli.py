@@ -12,7 +12,9 @@ from typing import Optional
 
 import typer
 
-from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, DistillConfig, GenerationConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from .bench.config import BenchConfig
+from .calibrate import ANSWER_TOKENS, PROMPTS
+from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, DistillConfig, GenerationConfig, LoadConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
@@ -285,13 +287,45 @@ def serve(
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)
 
 
+@app.command("load-test")
+def load_test(
+    url: list[str] = typer.Option([], "--url", help="A running server, e.g. http://127.0.0.1:8000 (repeatable)."),
+    serve: list[str] = typer.Option([], "--serve", help="Start `medusa serve ARGS` on a free port for the test, stopped after it (repeatable; \"\" for the defaults)."),
+    clients: int = typer.Option(LoadConfig.clients, "--clients", help="Concurrent clients."),
+    duration: float = typer.Option(LoadConfig.duration_s, "--duration", help="Seconds of load."),
+    max_tokens: int = typer.Option(LoadConfig.max_tokens, "--max-tokens", help="Per answer."),
+    seed: int = typer.Option(LoadConfig.seed, "--seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the report (JSON) here."),
+) -> None:
+    """Load and fault test of servers: concurrent clients, streams dropped mid-way, malformed requests; every
+    greedy answer must equal the same request's answer alone, every 4xx carry an error, every slot end free.
+    Prints the report (JSON); exit 1 if anything went wrong."""
+    import asyncio
+    import json
+
+    cfg = LoadConfig(clients=clients, duration_s=duration, max_tokens=max_tokens, seed=seed)
+    if not url and not serve:
+        fail("give --url (a running server) or --serve (start one)")
+    try:
+        from .server.load import run_load, started_servers
+    except ImportError as e:
+        fail(f"the load test needs the serve extra: pip install 'medusa-decoding[serve]' ({e})")
+    with started_servers(serve) as started:
+        report = asyncio.run(run_load([*url, *started], cfg))
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    raise typer.Exit(0 if report["ok"] else 1)
+
+
 @app.command()
 def calibrate(
     heads: Path = typer.Option(..., "--heads", help="Heads folder; the tree is saved there as tree.json unless --out. A hydra/eagle drafter: its drafting depth/width/budget are measured and saved in its config.json."),
     model: str = ModelOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of prompts (Spec-Bench format or {\"prompt\": ...}); default: held-out ShareGPT."),
-    limit: int = typer.Option(24, "--limit", help="Calibration prompts."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    limit: int = typer.Option(PROMPTS, "--limit", help="Calibration prompts."),
+    max_new_tokens: int = typer.Option(ANSWER_TOKENS, "--max-new-tokens"),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to save the tree (default: HEADS/tree.json)."),
     ngram: int = typer.Option(NgramConfig.length, "--ngram", help="hydra/eagle: fit the budget with this n-gram branch, as generate runs by default (0: none)."),
     grid: bool = typer.Option(False, "--grid", help="hydra/eagle: also time every drafting depth/budget against plain decoding end to end and save the best in config.json (the long version, ~1 h)."),
@@ -490,20 +524,20 @@ def bench(
     drafter: list[Path] = typer.Option([], "--drafter", help="A hydra or eagle checkpoint (repeatable) for methods hydra/eagle; default: the shipped ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="First N prompts of each category."),
     turns: Optional[int] = typer.Option(None, "--turns", help="Turns per prompt (default: all; 1: first turns only)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Per turn."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy; > 0 samples (seeded) and skips identity checks."),
-    seed: int = typer.Option(0, "--seed"),
-    repeats: int = typer.Option(1, "--repeats", help="Rounds of every method per prompt."),
+    max_new_tokens: int = typer.Option(BenchConfig.max_new_tokens, "--max-new-tokens", "-n", help="Per turn."),
+    temperature: float = typer.Option(BenchConfig.temperature, "--temperature", "-t", help="0 is greedy; > 0 samples (seeded) and skips identity checks."),
+    seed: int = typer.Option(BenchConfig.seed, "--seed"),
+    repeats: int = typer.Option(BenchConfig.repeats, "--repeats", help="Rounds of every method per prompt."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: bench_out/<timestamp>)."),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="Comma-separated, e.g. 1,2,4,8,16: also measure plain vs default (load-adaptive budgets, as medusa serve runs it) under continuous batching at each batch size (first turns, greedy)."),
-    batch_only: bool = typer.Option(False, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="Our engine's methods on the compiled verification step, every graph built (or loaded from $MEDUSA_CACHE) before it is timed; default: eager."),
+    batch_only: bool = typer.Option(BenchConfig.batch_only, "--batch-only", help="Only the --batch-sizes measurement, no per-prompt method comparison."),
+    compile: bool = typer.Option(BenchConfig.compile, "--compile/--no-compile", help="Our engine's methods on the compiled verification step, every graph built (or loaded from $MEDUSA_CACHE) before it is timed; default: eager."),
     calibration: str = CalibrationOpt,
 ) -> None:
     """Methods side by side on the same prompts: results.json, report.md and plots in --out."""
-    from .bench import BenchConfig, parse_batch_sizes, run_bench
+    from .bench import parse_batch_sizes, run_bench
 
     cfg = BenchConfig(
         model=model, heads=str(heads) if heads else None, prompts=str(prompts) if prompts else None, suite=suite,

@@ -311,7 +311,7 @@ class NgramConfig:
     # after a step that accepted this many n-gram tokens, the next step verifies the n-gram chain
     # alone: no drafting, a smaller tree while the answer copies its context; 0: never
     copy_run: int = 2
-    copy_length: int = 12  # tokens of the chain on those steps, at least `length` (13 tokens cost ~1.2x one)
+    copy_length: int = 12  # tokens of the chain on those steps, at least `length` (a chain alone is cheap to verify)
     # where the context has no match: the longest suffix (store_max_ngram down to store_min_ngram tokens)
     # looked up in the model's datastore of its own answers (datastore.py), when it has one
     store_max_ngram: int = 8
@@ -343,7 +343,7 @@ class DistillConfig:
     batch_size: int = 128  # sequences decoded together (continuous batching)
     max_prompt_tokens: int = 256  # longer first prompts are skipped (counted)
     # user turns asked per conversation: a follow-up comes after the model's own answers, and its
-    # prefill recomputes the turns before it (~3.5x the compute of a first turn here)
+    # prefill recomputes the turns before it (several times a first turn's compute)
     turns: int = 1
     max_length: int = 1024  # prompt + answer tokens; a follow-up that would not fit is not asked
     layers: tuple[int, ...] | None = None  # base hidden states recorded (None: drafters.fused_layers)
@@ -357,3 +357,22 @@ class DistillConfig:
                 raise MedusaError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise MedusaError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class LoadConfig:
+    """A load and fault test of running servers (server/load.py, `medusa load-test`)."""
+
+    clients: int = 64  # concurrent clients
+    duration_s: float = 120.0  # seconds of load
+    max_tokens: int = 24  # per answer
+    disconnect: float = 0.1  # share of requests that leave their stream mid-way
+    bad: float = 0.1  # share of requests that are malformed (each must get a 4xx)
+    seed: int = 0
+    timeout_s: float = 120.0  # per request
+
+    def __post_init__(self) -> None:
+        if self.clients < 1 or self.duration_s <= 0 or self.max_tokens < 1 or self.timeout_s <= 0:
+            raise MedusaError("load test: need clients >= 1, duration > 0, max_tokens >= 1, timeout > 0")
+        if min(self.disconnect, self.bad) < 0 or self.disconnect + self.bad > 1:
+            raise MedusaError("load test: the disconnect and malformed shares must be >= 0 and sum to <= 1")

@@ -266,19 +266,12 @@ def record_features(run: Run, trainer, base, tokenizer) -> Features:
     return Features(train_shards, eval_shards, layers, counts)
 
 
-def optimize(run: Run, trainer, heads, data, resume: bool, stop_after: int | None):
-    """The training loop over `data` -> (the trained, wrapped heads, steps); (None, step) where
-    it was stopped (SIGINT/SIGTERM, or stop_after), its checkpoint saved."""
-    from tqdm import tqdm
+def prepare(run: Run, heads, total_steps: int, resume: bool):
+    """The optimizer and its cosine schedule over `total_steps`, prepared by accelerate, and the step
+    to start from (the checkpoint's when resuming) -> (heads, optimizer, scheduler, step)."""
     from transformers import get_cosine_schedule_with_warmup
 
     cfg, accelerator = run.cfg, run.accelerator
-    items, per_step = len(data), trainer.per_step(data)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    steps_per_epoch = items // (per_step * world)
-    if steps_per_epoch < 1:
-        raise MedusaError(f"{items} {trainer.unit} are fewer than one batch of {per_step * world}")
-    total_steps = max(1, math.floor(steps_per_epoch * cfg.epochs))
     optimizer = torch.optim.AdamW(
         (p for p in heads.parameters() if p.requires_grad), lr=cfg.lr, weight_decay=cfg.weight_decay
     )
@@ -292,6 +285,22 @@ def optimize(run: Run, trainer, heads, data, resume: bool, stop_after: int | Non
         step = json.loads((run.checkpoint / "trainer_state.json").read_text())["step"]
         if run.is_main:
             log.info("resumed from %s at step %d", run.checkpoint, step)
+    return heads, optimizer, scheduler, step
+
+
+def optimize(run: Run, trainer, heads, data, resume: bool, stop_after: int | None):
+    """The training loop over `data` -> (the trained, wrapped heads, steps); (None, step) where
+    it was stopped (SIGINT/SIGTERM, or stop_after), its checkpoint saved."""
+    from tqdm import tqdm
+
+    cfg, accelerator = run.cfg, run.accelerator
+    items, per_step = len(data), trainer.per_step(data)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    steps_per_epoch = items // (per_step * world)
+    if steps_per_epoch < 1:
+        raise MedusaError(f"{items} {trainer.unit} are fewer than one batch of {per_step * world}")
+    total_steps = max(1, math.floor(steps_per_epoch * cfg.epochs))
+    heads, optimizer, scheduler, step = prepare(run, heads, total_steps, resume)
 
     def save_checkpoint() -> None:
         accelerator.wait_for_everyone()

@@ -149,12 +149,10 @@ def drafter_folders(cfg: BenchConfig) -> dict[str, str]:
     return folders
 
 
-def build_methods(cfg: BenchConfig):
-    """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
-    MedusaModel or None). Each method of our engine is its name's DecodeSpec (spec.parse_method),
-    assembled by the library on the shared base and backend (compiled graphs too)."""
-    from ..engine import MedusaModel
-    from ..models import model_folder, shipped_drafter
+def checked_methods(cfg: BenchConfig):
+    """The methods asked, each refused here where it cannot run, before the model loads -> (methods,
+    --tree file stems, drafter folders by kind, llama.cpp's GGUF or None, vLLM's Medusa folder or None)."""
+    from ..models import shipped_drafter
     from ..tree import load_tree_file
 
     asked = [] if cfg.batch_only else cfg.methods_asked
@@ -189,6 +187,17 @@ def build_methods(cfg: BenchConfig):
             raise MedusaError(f"methods {', '.join(m.name for m in asked if m.kind in VLLM_KINDS)}: {why}")
         if any(m.kind == VLLM_MEDUSA for m in asked):
             vllm_heads = vllm_methods.medusa_folder(cfg.heads, cfg.model)
+    return asked, stems, drafters, gguf, vllm_heads
+
+
+def build_methods(cfg: BenchConfig):
+    """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
+    MedusaModel or None). Each method of our engine is its name's DecodeSpec (spec.parse_method),
+    assembled by the library on the shared base and backend (compiled graphs too)."""
+    from ..engine import MedusaModel
+    from ..models import model_folder
+
+    asked, stems, drafters, gguf, vllm_heads = checked_methods(cfg)
     shared = cfg.spec()
     base = MedusaModel.from_pretrained(cfg.model, DecodeSpec.plain(compile=shared.compile, exact=False),
                                        dtype=cfg.dtype, device=cfg.device)
@@ -214,9 +223,13 @@ def build_methods(cfg: BenchConfig):
     methods: dict[str, Generate] = {}  # in the order asked
     for m in asked:
         if m.kind in VLLM_KINDS:
+            from . import vllm_methods
+
             methods[m.name] = vllm_methods.vllm_method(m.kind, base, model_folder(cfg.model), vllm_heads, cfg.ngram())
             continue
         if not m.engine:
+            from . import llamacpp
+
             methods[m.name] = (llamacpp.llamacpp_method(base, gguf) if m.kind == LLAMACPP else
                                hf_method(base, cfg.temperature, PLD_TOKENS if m.kind == "hf-pld" else None))
             continue

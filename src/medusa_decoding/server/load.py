@@ -1,22 +1,15 @@
-"""Load and fault test of `medusa serve` on loopback: many concurrent clients for a while, mixed
-streaming and non-streaming, chat and completions, speculative and plain (`"speculative": false`)
-requests, on one or more servers (one method each); some clients drop their stream mid-way, some
-send malformed requests. Every greedy answer is checked against the same request sent alone
-before the load; at the end every slot must be free. Resident memory comes from /health.
-
-    python scripts/load_test.py --serve "" --clients 64 --duration 150          # starts medusa serve
-    python scripts/load_test.py --serve "--dtype bfloat16 --exact" --duration 150
-    python scripts/load_test.py --url http://127.0.0.1:8000 --url http://127.0.0.1:8001
-
-Exit status 1 when anything went wrong (a 5xx, an exception, a wrong answer, a busy slot).
-tests/test_load.py runs a short version of `run_load` on tiny models in CI.
+"""`medusa load-test`: the load and fault test of running servers. Many concurrent clients for a
+while, mixed streaming and non-streaming, chat and completions, speculative and plain
+(`"speculative": false`) requests, on one or more servers (one method each); some clients drop
+their stream mid-way, some send malformed requests. Every greedy answer is checked against the
+same request sent alone before the load; at the end every slot must be free. Resident memory
+comes from /health. tests/test_load.py runs a short version on tiny models.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+import contextlib
 import random
 import shlex
 import socket
@@ -27,6 +20,8 @@ import time
 
 import httpx
 import openai
+
+from ..config import LoadConfig, MedusaError
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The quick brown fox", "List three colours.",
            "Medusa heads guess ahead", "1 2 3 4 5", "Write a haiku about rain.", "Why is the sky blue?"]
@@ -48,6 +43,8 @@ def malformed(model: str) -> list[tuple[str, bytes | dict]]:
 
 
 class Tally:
+    """What the clients saw, counted."""
+
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.status: dict[str, int] = {}
@@ -99,18 +96,18 @@ async def answer(client: openai.AsyncOpenAI, model: str, kind: str, prompt: str,
 
 
 async def health(url: str) -> dict:
+    """The server's /health: its model, active and queued requests, resident memory."""
     async with httpx.AsyncClient(timeout=10) as h:
         return (await h.get(f"{url}/health")).json()
 
 
-async def run_load(urls: list[str], clients: int = 64, duration_s: float = 120, max_tokens: int = 24,
-                   disconnect: float = 0.1, bad: float = 0.1, seed: int = 0, timeout_s: float = 120) -> dict:
+async def run_load(urls: list[str], cfg: LoadConfig = LoadConfig()) -> dict:
     """Drive the servers at `urls` -> a report (counts, statuses, latencies, memory, problems)."""
-    rng = random.Random(seed)
+    rng = random.Random(cfg.seed)
     names = {url: (await health(url))["model"] for url in urls}
-    openai_clients = {url: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout_s,
-                                              http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=None),
-                                                                            timeout=timeout_s))
+    limits = httpx.Limits(max_connections=None)
+    openai_clients = {url: openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=cfg.timeout_s,
+                                              http_client=httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s))
                       for url in urls}
     start_memory = {url: (await health(url)).get("rss_mib") for url in urls}
     cases = [(url, kind, p, spec) for url in urls for kind in ("chat", "completion") for p in PROMPTS
@@ -118,9 +115,9 @@ async def run_load(urls: list[str], clients: int = 64, duration_s: float = 120, 
     solo = {}
     for case in cases:  # each request alone first: what every answer under load must equal
         url, kind, p, spec = case
-        solo[case] = (await answer(openai_clients[url], names[url], kind, p, spec, max_tokens, False))[0]
+        solo[case] = (await answer(openai_clients[url], names[url], kind, p, spec, cfg.max_tokens, False))[0]
     tally = Tally()
-    deadline = time.monotonic() + duration_s
+    deadline = time.monotonic() + cfg.duration_s
 
     async def drop_stream(h: httpx.AsyncClient, url: str) -> None:
         body = {"model": names[url], "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
@@ -143,19 +140,19 @@ async def run_load(urls: list[str], clients: int = 64, duration_s: float = 120, 
             tally.problem(f"malformed {body!r} to {path}: {r.status_code} {r.text[:120]}")
 
     async def client_loop(i: int) -> None:
-        async with httpx.AsyncClient(timeout=timeout_s) as h:
+        async with httpx.AsyncClient(timeout=cfg.timeout_s) as h:
             while time.monotonic() < deadline:
                 url, roll = rng.choice(urls), rng.random()
                 t0 = time.monotonic()
                 try:
-                    if roll < disconnect:
+                    if roll < cfg.disconnect:
                         await drop_stream(h, url)
-                    elif roll < disconnect + bad:
+                    elif roll < cfg.disconnect + cfg.bad:
                         await send_malformed(h, url)
                     else:
                         case = rng.choice([c for c in cases if c[0] == url])
                         _, kind, p, spec = case
-                        text, n = await answer(openai_clients[url], names[url], kind, p, spec, max_tokens,
+                        text, n = await answer(openai_clients[url], names[url], kind, p, spec, cfg.max_tokens,
                                                rng.random() < 0.5)
                         tally.latency.append(time.monotonic() - t0)
                         tally.tokens += n
@@ -170,78 +167,75 @@ async def run_load(urls: list[str], clients: int = 64, duration_s: float = 120, 
                     tally.problem(f"client {i}: {type(e).__name__}: {str(e)[:160]}")
 
     t0 = time.monotonic()
-    await asyncio.gather(*(client_loop(i) for i in range(clients)))
+    await asyncio.gather(*(client_loop(i) for i in range(cfg.clients)))
     elapsed = time.monotonic() - t0
+    busy = await wait_idle(urls, tally)
+    end_memory = {url: (await health(url)).get("rss_mib") for url in urls}
+    for c in openai_clients.values():
+        await c.close()
+    return report(tally, names, cfg.clients, elapsed, {"start": start_memory, "end": end_memory}, busy)
+
+
+async def wait_idle(urls: list[str], tally: Tally, wait_s: float = 30.0) -> dict[str, int]:
+    """Every slot freed (dropped streams and finished requests alike) -> url: requests still active
+    or queued after wait_s (each a problem)."""
     busy = {}
-    for url in urls:  # every slot freed: dropped streams and finished requests alike
-        for _ in range(300):
+    for url in urls:
+        deadline = time.monotonic() + wait_s
+        while True:
             h = await health(url)
-            if h["active"] == 0 and h["queued"] == 0:
+            if (h["active"] == 0 and h["queued"] == 0) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
         busy[url] = h["active"] + h["queued"]
         if busy[url]:
             tally.problem(f"{url}: {h['active']} active and {h['queued']} queued after the load")
-    end_memory = {url: (await health(url)).get("rss_mib") for url in urls}
-    for c in openai_clients.values():
-        await c.close()
+    return busy
+
+
+def report(tally: Tally, names: dict[str, str], clients: int, elapsed: float, memory: dict, busy: dict) -> dict:
+    """The load test's report (JSON-ready); "ok" is false when anything went wrong."""
     lat = sorted(tally.latency)
     return {
-        "servers": {url: names[url] for url in urls}, "clients": clients, "duration_s": round(elapsed, 1),
+        "servers": names, "clients": clients, "duration_s": round(elapsed, 1),
         "requests": sum(tally.counts.get(k, 0) for k in ("answered", "disconnected", "malformed", "error")),
         "counts": tally.counts, "status": tally.status, "tokens": tally.tokens,
         "latency_s": {"p50": round(statistics.median(lat), 3) if lat else None,
                       "p95": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None},
-        "rss_mib": {"start": start_memory, "end": end_memory}, "busy_at_end": busy, "problems": tally.problems,
-        "ok": not tally.problems,
+        "rss_mib": memory, "busy_at_end": busy, "problems": tally.problems, "ok": not tally.problems,
     }
 
 
-def start_server(args: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(["medusa", "serve", "--port", str(port), *shlex.split(args)])
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"medusa serve exited with {proc.returncode}")
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    sys.exit("medusa serve did not come up")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", action="append", default=[], help="a running server (repeatable)")
-    ap.add_argument("--serve", action="append", default=[], help="start `medusa serve ARGS` (repeatable)")
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=120, help="seconds of load")
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--out", help="write the report here (JSON)")
-    args = ap.parse_args()
-    procs, urls = [], list(args.url)
+@contextlib.contextmanager
+def started_servers(args: list[str], wait_s: float = 600.0):
+    """Start `medusa serve ARGS` on a free loopback port for each of `args` -> their urls; every one
+    is stopped on the way out (nothing outlives the test)."""
+    procs, urls = [], []
     try:
-        for extra in args.serve:
+        for extra in args:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            procs.append(start_server(extra, port))
+            procs.append(subprocess.Popen([sys.executable, "-m", "medusa_decoding.cli", "serve", "--port", str(port),
+                                           *shlex.split(extra)], stdout=subprocess.DEVNULL))  # its access log
             urls.append(f"http://127.0.0.1:{port}")
-        if not urls:
-            sys.exit("give --url or --serve")
-        report = asyncio.run(run_load(urls, args.clients, args.duration, args.max_tokens))
+            deadline = time.monotonic() + wait_s
+            while True:
+                if procs[-1].poll() is not None:
+                    raise MedusaError(f"medusa serve {extra} exited with {procs[-1].returncode}")
+                try:
+                    httpx.get(f"{urls[-1]}/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    if time.monotonic() > deadline:
+                        raise MedusaError(f"medusa serve {extra} did not answer /health in {wait_s:.0f} s") from None
+                    time.sleep(0.5)
+        yield urls
     finally:
         for p in procs:
             p.terminate()
-            p.wait(timeout=60)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.exit(0 if report["ok"] else 1)
-
-
-if __name__ == "__main__":
-    main()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
