@@ -8,8 +8,8 @@ Two caches behind transformers' Cache interface:
 - `SlotCache` (the fast path): keys/values of every layer preallocated, [R, G, S, d] each. A
   forward writes its n tokens at the slots `reserve` named (index_copy_, no concatenation), and
   attention reads the first `width` slots. A rejected draft needs no rollback: the next forward
-  overwrites its slots. Each layer owns its buffers: views of one shared tensor cost a compiled
-  step ~9 ms of whole-buffer copies here (functionalised writes into an aliased input).
+  overwrites its slots. Each layer owns its buffers: in a compiled step, writes into views of one
+  shared tensor become whole-buffer copies (functionalised writes into an aliased input).
 - transformers' `DynamicCache` (the reference path, and models with sliding-window layers).
 """
 

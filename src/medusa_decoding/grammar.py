@@ -1,6 +1,7 @@
 """Structured outputs: a grammar (JSON schema, any JSON object, a regex, a Lark grammar) that every
-emitted token must keep valid, checked by llguidance (a Rust matcher: ~30 us a mask on a 49k
-vocabulary on 2 CPU cores, a schema compiled in milliseconds; it rolls back, which a tree needs).
+emitted token must keep valid, checked by llguidance (a Rust matcher whose masks cost a fraction of
+a step and whose schemas compile in milliseconds; it rolls back, which a tree needs; the choice
+against xgrammar is measured in docs/SERVING.md).
 
 Glossary: N tree nodes (root first), V vocabulary, W = ceil(V / 32) words of a bitmask.
 

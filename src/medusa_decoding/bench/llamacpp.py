@@ -5,7 +5,7 @@ the reference a CPU user would pick instead of us. An optional extra (`pip insta
 It runs llama.cpp's own C API (llama_decode one token at a time, argmax of the last logits) on
 the token ids our tokenizer made, with the threads torch uses, so both decode the same prompt
 with the same cores. On a CPU with AMX, llama.cpp's default repack path for quantized weights
-dies with SIGILL in some VMs (measured on an Emerald Rapids Xeon): there the method loads the
+dies with SIGILL in some VMs: there the method loads the
 model with `use_extra_bufts = False`, and says so.
 """
 

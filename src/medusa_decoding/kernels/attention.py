@@ -4,11 +4,9 @@ transformers' AttentionInterface under the name "medusa": the model's forward st
 Glossary: B batch, H query heads, G key/value heads (H = G * R), n queries, S keys, d head size.
 
 A decode step asks few queries of many keys. torch's SDPA kernel for CPU grows fast with the keys
-there: per layer of SmolLM2 (bf16, 2 threads), 1 query over 200 / 1,000 keys took 90 / 437 us,
-where two matmuls with the R query heads of each key head stacked as rows (no copy of keys or
-values) take 43 / 58 us; 16 queries over 1,000 keys 359 vs 164 us. Below ~80 keys SDPA is cheaper
-(21 vs 39 us at 20 keys), and blocks longer than SHORT_QUERY (prefill) are SDPA's strength: both go
-to transformers' own SDPA path unchanged.
+there, where two matmuls with the R query heads of each key head stacked as rows (no copy of keys
+or values) stay cheap (docs/ENGINE.md). Below ~80 keys SDPA is cheaper, and blocks longer than
+SHORT_QUERY (prefill) are SDPA's strength: both go to transformers' own SDPA path unchanged.
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ static inline void rows_block(const float* x, int64_t M, int64_t K, const float*
 // registers and used at once (no buffer) for a chunk of up to STREAM_ROWS rows, up to 4 panels side by
 // side for few rows (one fma chain alone would wait on its own latency; 9-16 rows keep 9-16 chains in
 // flight on one panel, 16 accumulators). Past `stream_rows` rows (the caller's choice, timed per
-// machine in blocks.py) the AVX2 code above takes them: it dequantizes a block once for all rows,
-// which was faster past 8 rows on the AMD EPYC Zen 4 (256-bit AVX-512 units); on an Intel Xeon with
-// two 512-bit FMA units an eager step of 12-32 nodes ran 1.15-1.23x faster. Each output is the same fma
+// machine in blocks.py) the AVX2 code above takes them: it dequantizes a block once for all rows, which
+// wins past 8 rows where the AVX-512 units are 256 bits wide, and loses where there are two 512-bit FMA
+// units (docs/ENGINE.md). Each output is the same fma
 // chain over k on every path, so every build, path and chunking gives the same bits.
 constexpr int64_t STREAM_ROWS = 16;
 template <int BITS>
@@ -153,8 +153,7 @@ static inline void group16(int64_t R, int64_t pn, const float* x, int64_t K, Pan
 // panel (16 outputs): s = sum_k x[k] q[k] from three tile products, then y = fma(s, d, y) (and for Q4_1
 // y = fma(sum_k x[k], m, y)), blocks in order: fl(d q) + m is not formed, so the sums differ from the AVX
 // paths' chains in the last bits (relative 1-7e-7 to F.linear, the AVX paths 6-15e-7), and each row is
-// computed alone: a row's result does not depend on the other rows. Measured on the Xeon (one thread, us,
-// 1 / 16 rows): 1536 x 576 59 / 121 against 101 / 339 on the AVX-512 path (docs/ENGINE.md).
+// computed alone: a row's result does not depend on the other rows.
 static bool amx_permission() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -227,8 +226,7 @@ static inline void block_tile(const uint8_t* codes, int64_t b, uint16_t* buf, __
 // R rows (at most 16) x one panel over every block; the tile products of block b run while block b - 1's
 // sums are stored and scaled into the R accumulators, and block b + 1's codes are made into a tile. A tile
 // store waits for its three products: stored one block late, it no longer holds up the next block's loads
-// (perf annotate put 47% of the panel's samples on the store; Xeon, 2 threads, a SmolLM2 layer's 7 linears
-// 140 -> 126 us at 1 row, 204 -> 192 at 6, 318 -> 307 at 16; the lm_head 725 -> 665 at 1; the same bits).
+// (the same bits).
 template <int R, int BITS>
 static void amx_panel(const uint16_t* pieces, int64_t piece_stride, int64_t K, const float* sums, const uint8_t* codes,
                       const float* d, const float* m, float* y, int64_t N, __m512i table) {

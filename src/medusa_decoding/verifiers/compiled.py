@@ -22,8 +22,8 @@ Two ways to build a graph, chosen by `freeze` (default: where it pays; `auto` ne
   inputs; each graph is saved under $MEDUSA_CACHE/compiled/<machine and model key>/ and the next
   process loads it in seconds instead of compiling it again (about a minute a shape on 2 cores).
 - frozen (bf16/fp16 on CPU): inductor freezing makes the weights constants of the graph and the
-  linear layers run on prepacked oneDNN weights, which halves them in bf16 (34 vs 71 us a call,
-  docs/ENGINE.md); a frozen graph cannot be serialized (aot_compile refuses it), so every process
+  linear layers run on prepacked oneDNN weights, about half their bf16 time (docs/ENGINE.md); a
+  frozen graph cannot be serialized (aot_compile refuses it), so every process
   compiles its own.
 A drafter with a drafting module (hydra's `draft_module()`: its first depth and EAGLE-2's rule at a
 fixed width, depth and budget) drafts on graphs of its own, saved and built the same way, one per
@@ -414,9 +414,9 @@ class CompiledBackend(EagerBackend):
     def _frozen_step(self, shape, args):
         new_shape = shape not in self.shapes
         t0 = time.perf_counter()
-        # freezing as a scoped patch: `options={"freezing": True}` left the linears unpacked (16 vs 12 ms).
-        # Once a shape is compiled, only the guards that tell the graphs apart are checked: the full
-        # guard set (every layer's buffers, every weight) cost ~0.9 ms a step. Safe here because
+        # freezing as a scoped patch: `options={"freezing": True}` left the linears unpacked. Once a
+        # shape is compiled, only the guards that tell the graphs apart are checked: the full guard set
+        # (every layer's buffers, every weight) costs a noticeable share of a step. Safe here because
         # nothing else changes between steps: same model, weights, cache layout and attention.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch._inductor.config.patch(freezing=True), \
                 torch.compiler.set_stance(skip_guard_eval_unsafe=not new_shape):
