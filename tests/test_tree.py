@@ -99,11 +99,11 @@ def test_a_chain_joined_to_a_tree_is_the_tree_rebuilt_with_it(name, length):
     got, want = with_chain(tree, length), tree_from_parents(tree.parent, tree.depth, tree.depth_limit, length)
     for field in ("mask", "depth", "parent", "retrieve", "candidate_index"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
-    assert (got.max_depth, got.ngram_length, got.topk) == (want.max_depth, want.ngram_length, want.topk)
+    assert (got.max_depth, got.chain_length, got.topk) == (want.max_depth, want.chain_length, want.topk)
 
 
 def test_ngram_chain_hangs_under_the_root():
-    tree = build_tree([(0,), (1,), (0, 0)], ngram_length=3)
+    tree = build_tree([(0,), (1,), (0, 0)], chain_length=3)
     assert tree.num_nodes == 7 and tree.depth.tolist() == [0, 1, 1, 2, 1, 2, 3]
     assert tree.parent.tolist() == [-1, 0, 0, 1, 0, 4, 5]
     # the chain's last node sees the root, the chain before it and itself; nothing of the heads
@@ -113,7 +113,7 @@ def test_ngram_chain_hangs_under_the_root():
     head_topk = torch.tensor([[10, 11], [20, 21]])
     tokens = tree_tokens(tree, torch.tensor(5), head_topk, torch.tensor([7, 8, 9]))
     assert tokens.tolist() == [5, 10, 11, 20, 7, 8, 9]
-    only_ngram = build_tree([], ngram_length=2)
+    only_ngram = build_tree([], chain_length=2)
     assert tree_tokens(only_ngram, torch.tensor(5), None, torch.tensor([7, 8])).tolist() == [5, 7, 8]
 
 
@@ -123,10 +123,10 @@ def test_dynamic_selection_keeps_the_most_probable_paths():
     from medusa_decoding.tree import dynamic_tree, select_tree
 
     g = torch.Generator().manual_seed(0)
-    dyn = dynamic_tree(width=3, depth=3, budget=9, ngram_length=2)
+    dyn = dynamic_tree(width=3, depth=3, budget=9, chain_length=2)
     for _ in range(20):
         log_probs = torch.log_softmax(torch.randn(3, 8, generator=g), -1).topk(3).values  # [depth, width]
-        tree = select_tree(dyn, log_probs, with_ngram=False)
+        tree = select_tree(dyn, log_probs, keep_chain=False)
         score = {p: sum(float(log_probs[d, r]) for d, r in enumerate(p))
                  for n in (1, 2, 3) for p in itertools.product(range(3), repeat=n)}
         best = sorted(score, key=lambda p: -score[p])[:8]
@@ -139,5 +139,5 @@ def test_dynamic_selection_keeps_the_most_probable_paths():
         assert rows(tree) == rows(ref)
         head_topk = torch.arange(9).reshape(3, 3)
         assert torch.equal(tree_tokens(tree, torch.tensor(99), head_topk), tree_tokens(ref, torch.tensor(99), head_topk))
-    with_chain = select_tree(dyn, log_probs, with_ngram=True)
+    with_chain = select_tree(dyn, log_probs, keep_chain=True)
     assert with_chain.num_nodes == 11 and with_chain.depth[-2:].tolist() == [1, 2]

@@ -6,8 +6,8 @@ K heads, V vocabulary.
 A path is Medusa's notation: (0,) is head 1's top candidate, (0, 2) is head 2's third
 candidate below it. Node 0 is the root: the base model's own next token, already emitted.
 Head nodes are ordered by depth, then by path, so every parent comes before its children.
-A tree may also carry an n-gram branch: a chain of `ngram_length` nodes under the root, after
-the head nodes, filled each step with tokens copied from the context (prompt lookup).
+A tree may also carry a chain of `chain_length` nodes under the root, after the head nodes: a
+branch proposer's (the n-gram branch's copied tokens, a grammar's forced tokens), filled each step.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ class TreeBuffers:
     # [N] long: index of the parent node, -1 for the root
     parent: torch.Tensor
     # [N - 1] long: for node i+1, the index into the flat candidate table: the heads' top-k
-    # [max_depth * topk], then the n-gram tokens [ngram_length]
+    # [max_depth * topk], then the chain's tokens [chain_length]
     candidate_index: torch.Tensor
     # [P, L] long: node indices of every root-to-leaf path, root first, padded with -1
     retrieve: torch.Tensor
     topk: int  # candidates read per head (largest rank + 1)
     max_depth: int  # heads the tree reads (its deepest head node)
-    ngram_length: int = 0  # nodes of the n-gram chain under the root (the last nodes)
+    chain_length: int = 0  # nodes of a chain under the root (the last nodes)
 
     @property
     def num_nodes(self) -> int:
@@ -52,8 +52,8 @@ class TreeBuffers:
 
     @property
     def depth_limit(self) -> int:
-        """Deepest node, head or n-gram."""
-        return max(self.max_depth, self.ngram_length)
+        """Deepest node, of the paths or the chain."""
+        return max(self.max_depth, self.chain_length)
 
     @functools.cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:
@@ -68,7 +68,7 @@ class TreeBuffers:
     def to(self, device: torch.device | str) -> TreeBuffers:
         moved = {k: getattr(self, k).to(device) for k in ("mask", "depth", "parent", "candidate_index", "retrieve")}
         return TreeBuffers(paths=self.paths, topk=self.topk, max_depth=self.max_depth,
-                           ngram_length=self.ngram_length, **moved)
+                           chain_length=self.chain_length, **moved)
 
 
 def validate_paths(paths) -> tuple[Path_, ...]:
@@ -87,14 +87,14 @@ def validate_paths(paths) -> tuple[Path_, ...]:
     return tuple(sorted(out, key=lambda p: (len(p), p)))
 
 
-def build_tree(paths=DEFAULT_TREE, ngram_length: int = 0) -> TreeBuffers:
+def build_tree(paths=DEFAULT_TREE, chain_length: int = 0) -> TreeBuffers:
     """paths -> TreeBuffers. An empty list gives the one-node tree of plain decoding; with
-    ngram_length > 0 a chain of that many n-gram nodes hangs under the root as well."""
+    chain_length > 0 a chain of that many nodes hangs under the root as well."""
     paths = validate_paths(paths)
-    if ngram_length < 0:
-        raise MedusaError(f"ngram_length must be >= 0, got {ngram_length}")
+    if chain_length < 0:
+        raise MedusaError(f"chain_length must be >= 0, got {chain_length}")
     heads_n = len(paths) + 1
-    n = heads_n + ngram_length
+    n = heads_n + chain_length
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     topk = max((p[-1] for p in paths), default=-1) + 1
     max_depth = max((len(p) for p in paths), default=0)
@@ -111,7 +111,7 @@ def build_tree(paths=DEFAULT_TREE, ngram_length: int = 0) -> TreeBuffers:
         candidate_index[i - 1] = (len(p) - 1) * topk + p[-1]
         for k in range(1, len(p)):
             mask[i, index[p[:k]]] = True
-    for j in range(ngram_length):  # the n-gram chain: node heads_n + j at depth j + 1
+    for j in range(chain_length):  # the chain: node heads_n + j at depth j + 1
         i = heads_n + j
         depth[i] = j + 1
         parent[i] = i - 1 if j else 0
@@ -120,7 +120,7 @@ def build_tree(paths=DEFAULT_TREE, ngram_length: int = 0) -> TreeBuffers:
     return TreeBuffers(
         paths=paths, mask=mask, depth=depth, parent=parent, candidate_index=candidate_index,
         retrieve=root_paths(mask, depth, parent), topk=max(topk, 0), max_depth=max_depth,
-        ngram_length=ngram_length,
+        chain_length=chain_length,
     )
 
 
@@ -149,7 +149,7 @@ class DynamicTree:
     product of the heads' probabilities along the path. A child never scores above its parent,
     so the kept set is a tree. Selection and the new mask, depths and paths are tensor ops."""
 
-    universe: TreeBuffers  # every path, plus an n-gram chain when ngram_length > 0
+    universe: TreeBuffers  # every path, plus a chain when chain_length > 0
     budget: int  # nodes kept from the head paths, root included (the chain comes on top)
     # [U - 1, depth] long: index into the heads' log-probs [depth * width] along each universe
     # node's path, padded with the index of a zero column
@@ -159,12 +159,12 @@ class DynamicTree:
         return DynamicTree(self.universe.to(device), self.budget, self.gather.to(device))
 
 
-def dynamic_tree(width: int, depth: int, budget: int, ngram_length: int = 0) -> DynamicTree:
+def dynamic_tree(width: int, depth: int, budget: int, chain_length: int = 0) -> DynamicTree:
     """The universe of width**1 + ... + width**depth paths and its gather table."""
     if width < 1 or depth < 1 or budget < 2:
         raise MedusaError("a dynamic tree needs width >= 1, depth >= 1 and a budget of at least 2 nodes")
     paths = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
-    universe = build_tree(paths, ngram_length)
+    universe = build_tree(paths, chain_length)
     pad = depth * width  # a column of zeros appended to the flattened log-probs
     gather = torch.full((len(paths), depth), pad, dtype=torch.long)
     for i, p in enumerate(universe.paths):
@@ -173,17 +173,17 @@ def dynamic_tree(width: int, depth: int, budget: int, ngram_length: int = 0) -> 
     return DynamicTree(universe=universe, budget=min(budget, len(paths) + 1), gather=gather)
 
 
-def select_tree(dyn: DynamicTree, log_probs: torch.Tensor, with_ngram: bool) -> TreeBuffers:
+def select_tree(dyn: DynamicTree, log_probs: torch.Tensor, keep_chain: bool) -> TreeBuffers:
     """log_probs [depth, width]: the heads' top-`width` log-probabilities -> this step's tree.
-    with_ngram keeps the universe's n-gram chain (its nodes come last)."""
+    keep_chain keeps the universe's chain (its nodes come last)."""
     u = dyn.universe
-    heads_n = u.num_nodes - u.ngram_length
+    heads_n = u.num_nodes - u.chain_length
     flat = torch.cat([log_probs.reshape(-1).float(), log_probs.new_zeros(1, dtype=torch.float32)])
     score = flat[dyn.gather].sum(-1)  # [U - 1] joint log-probability of each path
     score = score - 1e-4 * u.depth[1:heads_n].to(score.dtype)  # ties go to the shallower node
     keep = score.topk(dyn.budget - 1).indices.sort().values + 1  # [N - 1], parents first
     parts = [keep.new_zeros(1), keep]
-    if with_ngram and u.ngram_length:
+    if keep_chain and u.chain_length:
         parts.append(torch.arange(heads_n, u.num_nodes, device=keep.device))
     nodes = torch.cat(parts)  # [N] universe indices, in universe order
     remap = torch.full((u.num_nodes + 1,), -1, dtype=torch.long, device=keep.device)
@@ -194,43 +194,43 @@ def select_tree(dyn: DynamicTree, log_probs: torch.Tensor, with_ngram: bool) -> 
     return TreeBuffers(
         paths=(), mask=mask, depth=depth, parent=parent, candidate_index=u.candidate_index[nodes[1:] - 1],
         retrieve=root_paths(mask, depth, parent, longest=u.depth_limit + 1), topk=u.topk,
-        max_depth=u.max_depth, ngram_length=u.ngram_length if with_ngram else 0,
+        max_depth=u.max_depth, chain_length=u.chain_length if keep_chain else 0,
     )
 
 
-def tree_from_parents(parent: torch.Tensor, depth: torch.Tensor, max_depth: int, ngram_length: int = 0) -> TreeBuffers:
+def tree_from_parents(parent: torch.Tensor, depth: torch.Tensor, max_depth: int, chain_length: int = 0) -> TreeBuffers:
     """A drafted tree -> TreeBuffers, by tensor ops (one pass per depth, none per node).
 
     parent [N] long (-1 for the root, parents before children), depth [N] long, max_depth its
-    deepest level; ngram_length > 0 appends an n-gram chain under the root (its nodes last).
+    deepest level; chain_length > 0 appends a chain under the root (its nodes last).
     Drafted trees carry their tokens themselves: candidate_index is empty."""
     device = parent.device
-    if ngram_length:
+    if chain_length:
         n0 = parent.shape[0]
-        chain = torch.arange(n0, n0 + ngram_length, device=device)
+        chain = torch.arange(n0, n0 + chain_length, device=device)
         parent = torch.cat([parent, torch.cat([chain.new_zeros(1), chain[:-1]])])
-        depth = torch.cat([depth, torch.arange(1, ngram_length + 1, device=device)])
+        depth = torch.cat([depth, torch.arange(1, chain_length + 1, device=device)])
     n = parent.shape[0]
     mask = torch.eye(n, dtype=torch.bool, device=device)
-    for d in range(1, max(max_depth, ngram_length) + 1):
+    for d in range(1, max(max_depth, chain_length) + 1):
         rows = (depth == d).nonzero()[:, 0]
         mask[rows] |= mask[parent[rows]]
     return TreeBuffers(
         paths=(), mask=mask, depth=depth, parent=parent, candidate_index=parent.new_zeros(0),
-        retrieve=root_paths(mask, depth, parent, longest=max(max_depth, ngram_length) + 1), topk=0,
-        max_depth=max_depth, ngram_length=ngram_length,
+        retrieve=root_paths(mask, depth, parent, longest=max(max_depth, chain_length) + 1), topk=0,
+        max_depth=max_depth, chain_length=chain_length,
     )
 
 
 def tree_tokens(tree: TreeBuffers, root: torch.Tensor, head_topk: torch.Tensor | None,
-                ngram: torch.Tensor | None = None) -> torch.Tensor:
+                chain: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens of every node: root [] long, head_topk [K, topk] long (None without head
-    nodes), ngram [ngram_length] long (with an n-gram chain) -> tokens [N] long."""
+    nodes), chain [chain_length] long (with a chain) -> tokens [N] long."""
     parts = []
     if tree.max_depth:
         parts.append(head_topk[: tree.max_depth, : tree.topk].reshape(-1))
-    if tree.ngram_length:
-        parts.append(ngram)
+    if tree.chain_length:
+        parts.append(chain)
     if not parts:
         return root.reshape(1)
     return torch.cat([root.reshape(1), torch.cat(parts)[tree.candidate_index]])
@@ -279,5 +279,5 @@ def with_chain(tree: TreeBuffers, length: int) -> TreeBuffers:
         paths=(), mask=mask, depth=torch.cat([tree.depth, chain - n0 + 1]),
         parent=torch.cat([tree.parent, torch.cat([chain.new_zeros(1), chain[:-1]])]),
         candidate_index=tree.parent.new_zeros(0), retrieve=retrieve, topk=0, max_depth=tree.depth_limit,
-        ngram_length=length,
+        chain_length=length,
     )
