@@ -347,6 +347,30 @@ def test_bench_fitted_and_shipped_budgets_side_by_side(capsys, monkeypatch, setu
     assert "fitted to this machine vs shipped budget" in (out / "report.md").read_text()
 
 
+def test_a_method_through_its_server_decodes_the_same_tokens(capsys, monkeypatch, setup, tmp_path):
+    """@serve: the method answered by its OpenAI server in this process (one request at a time): the
+    same tokens and accepted lengths as the method itself, and the server gone after the run."""
+    import threading
+
+    pytest.importorskip("fastapi")
+    folder, heads, data = setup
+    def threads():  # tqdm's monitor thread aside
+        return sorted(t.name for t in threading.enumerate() if t.name != "tqdm_monitor")
+
+    before = threads()
+    code, stdout, err = medusa(capsys, monkeypatch, "bench", "--model", folder, "--heads", heads, "--prompts",
+                               data / "prompts.jsonl", "--methods", "plain,medusa+ngram,medusa+ngram@serve,plain@serve",
+                               "-n", "8", "--dtype", "float32", "--device", "cpu", "--out", tmp_path / "out")
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    for method in ("medusa+ngram", "medusa+ngram@serve", "plain@serve"):
+        assert results["identity"][method]["differ"] == 0 and results["identity"][method]["compared"] == 2
+    overall = results["summary"]["overall"]  # the server picks its budget by load (it may rest): tau is its own
+    assert overall["medusa+ngram@serve"]["mean_accepted_length"] >= 1.0
+    assert overall["plain@serve"]["mean_accepted_length"] == 1.0
+    assert threads() == before  # the servers stopped with the run
+
+
 def test_the_json_suite_decodes_under_each_schema_and_reports_validity(capsys, monkeypatch, tmp_path_factory, tmp_path):
     """--suite json: 24 prompts, each with its JSON schema; our methods decode under it, every answer
     is valid (an independent check), speculation stays token-identical to plain; a method that

@@ -109,6 +109,7 @@ def _ngram(value) -> NgramConfig | None:
 
 NGRAM = "+ngram"  # suffix: the same method with an n-gram branch
 EXACT, COMPILED, STOCK = "@exact", "@compiled", "@stock"  # run modes of our engine's methods
+SERVED = "@serve"  # run mode: the method answered by its OpenAI server in the bench's process (bench/serving.py)
 AT_SHIPPED = "@shipped"  # a drafter's budget as the checkpoint ships it, not fitted to this machine
 ENGINE_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle")  # our engine's methods
 FITTED_KINDS = ("default", "hydra", "eagle")  # those whose drafter budget is fitted to the machine
@@ -119,13 +120,13 @@ FOREIGN_KINDS = ("hf", "hf-pld", "llama.cpp", *VLLM_KINDS)  # methods that are n
 
 @dataclass(frozen=True)
 class Method:
-    """A bench method name, parsed: `kind[+ngram][@shipped][@exact|@compiled|@stock]`."""
+    """A bench method name, parsed: `kind[+ngram][@shipped][@exact|@compiled|@stock|@serve]`."""
 
     name: str
     kind: str  # one of ENGINE_KINDS or FOREIGN_KINDS
     ngram: bool = False  # +ngram
     shipped: bool = False  # @shipped: the checkpoint's own budget
-    mode: str = ""  # "", EXACT, COMPILED or STOCK
+    mode: str = ""  # "", EXACT, COMPILED, STOCK or SERVED
 
     @property
     def core(self) -> str:
@@ -166,7 +167,7 @@ def parse_method(name: str) -> Method:
     """One bench method name -> Method; an unknown name or a suffix that does not apply is refused."""
     name = name.strip()
     rest, mode = name, ""
-    for suffix in (EXACT, COMPILED, STOCK):
+    for suffix in (EXACT, COMPILED, STOCK, SERVED):
         if rest.endswith(suffix):
             rest, mode = rest.removesuffix(suffix), suffix
             break
@@ -175,7 +176,7 @@ def parse_method(name: str) -> Method:
     kind, plus, suffix = rest.partition("+")
     usage = (f"use a comma-separated list of {', '.join(ENGINE_KINDS + FOREIGN_KINDS)}, "
              f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {AT_SHIPPED}; "
-             f"any of our engine's with {EXACT}, {COMPILED} or {STOCK}")
+             f"any of our engine's with {EXACT}, {COMPILED}, {STOCK} or {SERVED}")
     if kind not in ENGINE_KINDS + FOREIGN_KINDS or (plus and (f"+{suffix}" != NGRAM or kind in FOREIGN_KINDS or kind == "default")):
         raise MedusaError(f"unknown method {name!r}; {usage}")
     if shipped and kind not in FITTED_KINDS:

@@ -15,7 +15,7 @@ import torch
 from .. import proposers
 from ..config import CONFIG_NAME, DrafterKind, MedusaError
 from ..kernels.attention import register_attention
-from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, STOCK, VLLM_KINDS, VLLM_MEDUSA, DecodeSpec, parse_method
+from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, SERVED, STOCK, VLLM_KINDS, VLLM_MEDUSA, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
 from .prompts import Prompt, schema_valid
 from .records import Generate, Record, Turn, sync
@@ -187,6 +187,12 @@ def checked_methods(cfg: BenchConfig):
             raise MedusaError(f"methods {', '.join(m.name for m in asked if m.kind in VLLM_KINDS)}: {why}")
         if any(m.kind == VLLM_MEDUSA for m in asked):
             vllm_heads = vllm_methods.medusa_folder(cfg.heads, cfg.model)
+    if any(m.mode == SERVED for m in asked):
+        try:
+            import fastapi, httpx, uvicorn  # noqa: F401, E401
+        except ImportError as e:
+            raise MedusaError(f"methods {', '.join(m.name for m in asked if m.mode == SERVED)} need the server: "
+                              f"pip install 'medusa-decoding[serve]' ({e})") from None
     return asked, stems, drafters, gguf, vllm_heads
 
 
@@ -241,6 +247,11 @@ def build_methods(cfg: BenchConfig):
         # fitted to the compiled step's costs where it runs compiled, as generate is
         on = compiled if m.mode == COMPILED and m.kind in FITTED_KINDS else None
         for name, s in specs.items():
+            if m.mode == SERVED:
+                from .serving import served_method
+
+                methods[name] = served_method(model(s, on), cfg.temperature)
+                continue
             generate = engine_method(model(s, on), True, cfg.temperature)
             methods[name] = (exact_method(base, generate) if m.mode == EXACT else
                              backend_method(compiled, generate) if m.mode == COMPILED else
