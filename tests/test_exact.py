@@ -144,3 +144,23 @@ def test_server_answers_under_load_as_alone_in_bf16():
             outs[o.id] += o.tokens
     for i in range(3):
         assert outs[i] == model.generate(PROMPTS[i], chat=False, max_new_tokens=24, ignore_eos=True).token_ids
+
+
+def test_exact_mode_is_refused_where_the_linear_layers_are_not_row_invariant(tmp_path_factory, tmp_path, capsys,
+                                                                             monkeypatch):
+    """--exact on a machine whose bf16 linear layers change a row's result with the row count (the
+    stock GEMM on some AVX-512 bf16 CPUs): one line naming the layer, exit 2; the calibration's
+    line names it too. Here the check is made to find it."""
+    from conftest import run_cli, save_tiny
+    from medusa_decoding.kernels import packed
+
+    folder, _ = save_tiny(tmp_path_factory, with_heads=False)
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    args = ("generate", "-p", "hello", "--model", folder, "--no-medusa", "-n", "4", "--dtype", "bfloat16")
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--exact")
+    assert code == 0 or "exact mode cannot keep its promise" in err, err  # this CPU's own check decides
+    found = "model.layers.0.mlp.down_proj: 32 x 64 differs at 3 rows"
+    monkeypatch.setattr(packed, "check", lambda model, rows=packed.CHECK_ROWS, stock=False: found)
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--exact")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: exact mode cannot keep its promise on this machine") and found in last

@@ -33,7 +33,7 @@ from .config import CompileMode
 from .models import use_fast_attention
 from .platform import cache_dir, processor_info
 from .tree import build_tree
-from .kernels import blocks
+from .kernels import blocks, packed
 from .verifiers.transformers import EagerBackend, TransformersVerifier
 
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the drafter budgets a calibration chooses among
@@ -451,6 +451,18 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     return fit
 
 
+def exact_blocker(model) -> str | None:
+    """What keeps exact mode from being row-invariant on this machine, where a check finds it: the
+    linear layers the eager step runs in bf16/fp16 (packed ones were checked row by row at load;
+    stock ones are checked here) -> a line naming the first layer and the row count at which its
+    rows change, or None."""
+    dtype = model.base.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or getattr(model.backend, "linears", "stock") != "stock":
+        return None
+    why = packed.check(model.base, stock=True)
+    return None if why is None else f"its {str(dtype).removeprefix('torch.')} linear layers are not row-invariant ({why})"
+
+
 def prefer_exact(fast_rate: float, exact_rate: float, max_cost: float = EXACT_MAX_COST) -> bool:
     """Exact mode is the default where it costs at most max_cost of the tokens/s (rates: tokens/s)."""
     return exact_rate >= (1 - max_cost) * fast_rate
@@ -493,8 +505,9 @@ def fit_exactness(model, fit: bool = True, root: Path | None = None, progress: b
         base.set_attn_implementation(running)
     costs_here = f"costs {cost:.0%} of tokens/s on this machine" if cost > 0 else "no slower on this machine"
     if broken is not None:
+        why = exact_blocker(model) or "its kernels are not row-invariant"
         said = (f"exact mode: off (on this machine a row's logits change in a step of {broken} even in exact mode: "
-                "its kernels are not row-invariant, so it could not keep its promise)")
+                f"{why}, so it could not keep its promise)")
     else:
         said = (f"exact mode: on ({costs_here}, at most {EXACT_MAX_COST:.0%} allowed: "
                 f"{str(base.dtype).removeprefix('torch.')} output is plain decoding's bit for bit, alone or in any batch; --no-exact turns it off)"

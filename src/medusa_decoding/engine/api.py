@@ -258,6 +258,13 @@ class MedusaModel:
         model = cls(base, tokenizer, heads=heads, tree=spec.tree, name=name, ngram=spec.ngram,
                     tree_budget=spec.tree_budget, backend=backend, datastore=store)
         model.spec = spec
+        if spec.exact:  # asked for: refused where this machine's kernels cannot keep its promise
+            from ..costs import exact_blocker
+
+            why = exact_blocker(model)
+            if why is not None:
+                raise MedusaError(f"exact mode cannot keep its promise on this machine: {why}; drop --exact "
+                                  "(the output may then drift from plain decoding's after a near-tie) or use float32")
         fit = model.drafter is not None and spec.fits_budget
         refresh = spec.calibration is CalibrationMode.REFRESH
         lines: list[str] = []

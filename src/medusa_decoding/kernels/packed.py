@@ -80,30 +80,34 @@ def supported(weight: torch.Tensor | None) -> str | None:
 
 
 def check_weight(weight: torch.Tensor, bias: torch.Tensor | None = None, rows: tuple[int, ...] = CHECK_ROWS,
-                 generator: torch.Generator | None = None) -> str | None:
-    """Random values of `weight`'s (and `bias`'s) shape and dtype, packed, on inputs of `rows` rows,
-    against F.linear of each row alone -> the first difference found, or None when every row is
-    bit-identical."""
+                 generator: torch.Generator | None = None, stock: bool = False) -> str | None:
+    """Random values of `weight`'s (and `bias`'s) shape and dtype, packed (stock: F.linear itself),
+    on inputs of `rows` rows, against F.linear of each row alone -> the first difference found, or
+    None when every row is bit-identical (the product is row-invariant)."""
     generator = generator or torch.Generator().manual_seed(0)
-    dtype = weight.dtype
-    w = torch.randn(weight.shape, generator=generator).to(dtype)
-    b = None if bias is None else torch.randn(bias.shape, generator=generator).to(dtype)
+    dtype, device = weight.dtype, weight.device
+    w = torch.randn(weight.shape, generator=generator).to(device, dtype)
+    b = None if bias is None else torch.randn(bias.shape, generator=generator).to(device, dtype)
     try:
-        packed = pack_weight(w)
-        x = torch.randn(1, max(rows), w.shape[1], generator=generator).to(dtype)
+        if stock:
+            product = lambda x: F.linear(x, w, b)  # noqa: E731
+        else:
+            packed = pack_weight(w)
+            product = lambda x: packed_linear(x, packed, b)  # noqa: E731
+        x = torch.randn(1, max(rows), w.shape[1], generator=generator).to(device, dtype)
         with torch.inference_mode():
             alone = torch.cat([F.linear(x[:, i:i + 1], w, b) for i in range(x.shape[1])], dim=1)  # [1, rows, out]
             for n in rows:
-                if not torch.equal(packed_linear(x[:, :n], packed, b), alone[:, :n]):
+                if not torch.equal(product(x[:, :n]), alone[:, :n]):
                     return f"{w.shape[0]} x {w.shape[1]} differs at {n} rows"
     except RuntimeError as e:  # a oneDNN build without this kernel for the dtype
         return f"{w.shape[0]} x {w.shape[1]}: {str(e).splitlines()[0]}"
     return None
 
 
-def check(model, rows: tuple[int, ...] = CHECK_ROWS) -> str | None:
-    """Each distinct linear shape of the model, packed, against F.linear row by row (check_weight)
-    -> the first difference found (naming the layer), or None when all are bit-identical."""
+def check(model, rows: tuple[int, ...] = CHECK_ROWS, stock: bool = False) -> str | None:
+    """Each distinct linear shape of the model, packed (stock: as it is), against F.linear row by row
+    (check_weight) -> the first difference found (naming the layer), or None when all are bit-identical."""
     generator = torch.Generator().manual_seed(0)
     seen = set()
     for name, module in model.named_modules():
@@ -111,7 +115,7 @@ def check(model, rows: tuple[int, ...] = CHECK_ROWS) -> str | None:
         if not key or key in seen:
             continue
         seen.add(key)
-        why = check_weight(module.weight, module.bias, rows, generator)
+        why = check_weight(module.weight, module.bias, rows, generator, stock)
         if why is not None:
             return f"{name}: {why}"
     return None
