@@ -87,12 +87,17 @@ def structured_output(json_schema: Optional[Path], regex: Optional[str]):
     return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema))
 
 
-def compile_summary(backend) -> str:
-    """What the compiled step did in this run, for generate's stats line ('' when eager)."""
+def compile_summary(backend, stats) -> str:
+    """What the compiled step did in this run, for generate's stats line ('' when eager): the time
+    spent compiling or loading graphs, and the decoding's own tokens/s without it."""
     if not backend.compiled:
         return ""
     s = backend.stats()
-    said = f", {s['compile_s']:.1f} s of it compiling or loading {s['graphs']} graphs"
+    said = ""
+    if s["compile_s"] > 0:
+        decoding_s = max(stats.wall_s - s["compile_s"], 1e-9)
+        said = (f", {s['compile_s']:.1f} s of it compiling or loading {s['graphs']} graphs "
+                f"(decoding alone: {stats.new_tokens / decoding_s:.1f} tok/s)")
     if s["eager_steps"]:
         why = ([f"{s['missing']} graphs not built (medusa compile builds them)"] if s["missing"] else []) + (
             [f"{s['deferred']} saved ones not worth loading for this run"] if s["deferred"] else [])
@@ -145,7 +150,7 @@ def generate(
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    typer.echo(f"[{m.method().describe()}] {stream.stats.summary()}{compile_summary(m.backend)}", err=True)
+    typer.echo(f"[{m.method().describe()}] {stream.stats.summary()}{compile_summary(m.backend, stream.stats)}", err=True)
 
 
 @app.command("compile")
