@@ -18,6 +18,18 @@ from test_drafters import OracleHydra, make, prompts, run
 ACCEPT = {2: 1.6, 3: 1.9, 4: 2.1, 6: 2.4, 8: 2.6, 12: 2.8, 16: 2.95, 24: 3.1, 32: 3.2}
 
 
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The caching tests see a quiet machine whatever else runs; the contention test sets its own."""
+    from medusa_decoding.platform import OtherLoad
+
+    class Quiet(OtherLoad):
+        def __exit__(self, *exc):
+            self.cores = 0.0
+
+    monkeypatch.setattr(costs, "OtherLoad", Quiet)
+
 def test_a_flat_cost_curve_chooses_a_large_tree_and_a_steep_one_a_small_tree():
     draft = dict.fromkeys(ACCEPT, 0.05)
     flat = {1: 1.0, 8: 1.02, 16: 1.04, 32: 1.08, 48: 1.1}  # a 16-row block costs what one row costs (AMX)
@@ -472,3 +484,37 @@ def test_exact_mode_is_checked_row_invariant_on_this_machine_before_it_is_chosen
     # what the check found is cached with the exact-mode curve: it is not run again
     monkeypatch.setattr(costs, "varies_at", lambda backend, sizes: pytest.fail("checked again"))
     assert not costs.fit_exactness(m, root=tmp_path / "cache", progress=False).exact
+
+
+def test_a_measurement_taken_while_other_processes_ran_is_not_cached(model, tmp_path, monkeypatch):
+    """Other processes' CPU use is watched while the machine is measured: above CONTENDED_CORES the
+    curve is used for this run, said to be contended, and not cached (the next run measures again)."""
+    import subprocess
+    import sys
+    import time
+
+    from medusa_decoding.platform import OtherLoad
+
+    if OtherLoad().__enter__()._busy0 is None:
+        pytest.skip("no /proc/stat here: other processes' load cannot be read")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2: pass"])
+    with OtherLoad() as busy:
+        time.sleep(1.0)
+    spin.wait()
+    assert busy.cores > 0.5  # a busy child counts, this process's own time does not
+
+    class Busy(OtherLoad):
+        def __exit__(self, *exc):
+            self.cores = 1.0
+
+    m = saved_hydra(model, tmp_path / "d")
+    monkeypatch.setattr(costs, "OtherLoad", Busy)
+    first = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert first.source == "contended" and "not cached" in first.line and not first.path.exists()
+    class Quiet(OtherLoad):
+        def __exit__(self, *exc):
+            self.cores = 0.0
+
+    monkeypatch.setattr(costs, "OtherLoad", Quiet)  # the next run measures again, and caches
+    again = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
+    assert again.source == "measured" and again.path.is_file()

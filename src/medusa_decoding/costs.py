@@ -31,7 +31,7 @@ import torch
 from .kernels.attention import fits_short_query_attention
 from .config import CompileMode
 from .models import use_fast_attention
-from .platform import cache_dir, processor_info
+from .platform import OtherLoad, cache_dir, processor_info
 from .tree import build_tree
 from .kernels import blocks, packed
 from .verifiers.transformers import EagerBackend, TransformersVerifier
@@ -42,6 +42,7 @@ PREFIX = 300  # cached tokens before the measured steps: a typical chat prompt (
 REPEATS = 5  # timed rounds, interleaved over sizes (one more warms up)
 VERSION = 2  # of the cached file's layout and of what it measures (2: PREFIX 300)
 EXACT_MAX_COST = 0.10  # exact mode is the default where it costs at most this share of tokens/s
+CONTENDED_CORES = 0.3  # other processes' CPU use (cores) during a measurement above which it is not cached
 
 
 def fingerprint(model, backend=None) -> dict:
@@ -310,7 +311,7 @@ class Fit:
     """What a calibration chose, and from what."""
 
     budget: int | None  # None: the drafter keeps its own (nothing to choose from)
-    source: str  # "measured", "cached", "shipped", "given"
+    source: str  # "measured", "contended" (measured while other processes ran: not cached), "cached", "shipped", "given"
     line: str  # the one line saying which calibration is in use
     table: list[dict] = field(default_factory=list)
     path: Path | None = None
@@ -330,8 +331,9 @@ def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: di
     """This machine's cost curves for the model in each mode of `setups` (key -> a function putting
     the base in that mode; None: as it runs now), each holding t(n) for `sizes` and, with a
     drafter, its drafting cost at `budgets`: from the cache, or measured now, every mode in one
-    interleaved run (a progress bar on stderr), and cached -> {key: (curve, its file, "cached" or
-    "measured")}. backend: what runs the measured steps (default: the model's). The model is left in
+    interleaved run (a progress bar on stderr), and cached -> {key: (curve, its file, "cached",
+    "measured", or "contended": measured while other processes used more than CONTENDED_CORES, so
+    not cached)}. backend: what runs the measured steps (default: the model's). The model is left in
     the last mode of `setups`."""
     backend = backend or model.backend
     setups = setups or {None: lambda: None}
@@ -352,11 +354,13 @@ def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: di
     bar = _bar(calls, "calibrating for this machine") if progress else None
     t0 = time.perf_counter()
     try:
-        results = measure(backend, drafter if key is not None else None, sizes, timed_budgets,
-                          progress=bar.update if bar else None, verify=missing_sizes, setups=list(setups.values()))
+        with OtherLoad() as load:
+            results = measure(backend, drafter if key is not None else None, sizes, timed_budgets,
+                              progress=bar.update if bar else None, verify=missing_sizes, setups=list(setups.values()))
     finally:
         if bar:
             bar.close()
+    contended = load.cores is not None and load.cores > CONTENDED_CORES
     seconds = (time.perf_counter() - t0) / len(setups)
     out = {}
     for (mode, (fp, path, curve)), (step, verify, draft) in zip(found.items(), results):
@@ -365,8 +369,9 @@ def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: di
         if key is not None:  # drafting was timed against this run's t(1): rescale to the curve's own
             curve.draft[key] = {b: v * step / curve.step_s for b, v in draft.items()}
         curve.measured_s += seconds
-        save_curve(curve, path)
-        out[mode] = (curve, path, "measured")
+        if not contended:
+            save_curve(curve, path)
+        out[mode] = (curve, path, "contended" if contended else "measured")
     return out
 
 
@@ -404,7 +409,8 @@ def fit_budget(model, curve: CostCurve, path: Path, source: str, compiled: bool 
     budget, chain, table = choose_budget(drafter.acceptance(), verify, draft[drafter_key(drafter)], chain, chained)
     best = next(r for r in table if r["budget"] == budget and r["chain"] == chain)
     fp = curve.fingerprint
-    where = "measured now" if source == "measured" else "cached"
+    where = {"measured": "measured now", "cached": "cached",
+             "contended": "measured now while other processes ran (not cached: measured again next run)"}[source]
     step = "compiled" if compiled else fp["verifier"]
     if budget == 1 and not chain:
         what = f"plain decoding ({drafter.kind} resting, no n-gram chain: none is expected to pay here)"
@@ -439,8 +445,11 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
                                               refresh, backend=eager).values()
     if compiled is not None and curve.compiled is None:
-        curve.compiled = compiled_ratio(eager, compiled, model.drafter.feature_layers)
-        if curve.compiled is not None:
+        with OtherLoad() as load:
+            curve.compiled = compiled_ratio(eager, compiled, model.drafter.feature_layers)
+        if load.cores is not None and load.cores > CONTENDED_CORES:
+            source = "contended"
+        if curve.compiled is not None and source != "contended":
             save_curve(curve, path)
     fit = fit_budget(model, curve, path, source, compiled=compiled is not None and curve.compiled is not None)
     if compiled is not None and curve.compiled is None:
@@ -540,10 +549,11 @@ def _measure_exactness(model, fitting: bool, root, progress, refresh, use_medusa
     checked = model.tree_sizes(use_medusa, fits.get(True))
     exact_curve, exact_path, source = curves[True]
     key = ",".join(map(str, checked))
-    if key not in exact_curve.varies_at or source == "measured":
+    if key not in exact_curve.varies_at or source != "cached":
         use_fast_attention(base, exact=True)
         exact_curve.varies_at[key] = varies_at(model.backend, checked)
-        save_curve(exact_curve, exact_path)
+        if source != "contended":
+            save_curve(exact_curve, exact_path)
     broken = exact_curve.varies_at[key]
     chosen = broken is None and prefer_exact(rates[False], rates[True])
     return chosen, 1 - rates[True] / rates[False], broken, fits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -43,3 +44,33 @@ def processor_info(device: torch.device) -> tuple[str, list[str]]:
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot products in hardware (AVX-512 BF16 or AMX)."""
     return any(f in cpu_info()[1] for f in NATIVE_BF16)
+
+
+def busy_cpu_s() -> float | None:
+    """CPU seconds every process on the machine has run so far (Linux's /proc/stat: user, nice,
+    system, irq, softirq and steal, the time a hypervisor gave to other guests), or None where it
+    cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Other processes' CPU use while a block runs: the machine's busy CPU time less this process's
+    own, over the block's wall time, in cores (`cores`; None where the machine's cannot be read).
+    A timing taken while others ran is not this machine's cost: callers do not cache it."""
+
+    cores: float | None = None
+
+    def __enter__(self) -> OtherLoad:
+        self._t0, self._own0, self._busy0 = time.perf_counter(), time.process_time(), busy_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall, own, busy = time.perf_counter() - self._t0, time.process_time() - self._own0, busy_cpu_s()
+        if self._busy0 is not None and busy is not None and wall > 0:
+            self.cores = max(busy - self._busy0 - own, 0.0) / wall
