@@ -401,3 +401,17 @@ def test_compile_auto_pauses_a_builder_while_it_decodes_and_resumes_it_when_idle
         assert settled(stand_in.pid, stopped=False) and backend._held is None
     finally:
         stand_in.kill()
+
+
+def test_the_compiled_cache_holds_what_sequences_need_not_the_whole_context():
+    """A compiled step's cache is a graph input of fixed size: COMPILED_SLOTS slots a row (the model's
+    context where it is shorter), more only for a sequence that needs them. Not the whole 8,192-token
+    context: a server's 8 rows held 3 GB of fp32 SmolLM2 cache that way."""
+    from medusa_decoding.verifiers.compiled import COMPILED_SLOTS, CompiledBackend
+
+    base = tiny_llama(max_positions=8192)
+    backend = CompiledBackend(base)
+    assert backend.new_cache(100, 2).capacity == COMPILED_SLOTS < 8192
+    assert backend.new_cache(3000, 1).capacity == round_width(3000) >= 3000
+    short = CompiledBackend(tiny_llama(max_positions=256))
+    assert short.new_cache(10, 1).capacity == round_width(256)

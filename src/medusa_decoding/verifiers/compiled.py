@@ -61,7 +61,7 @@ from .transformers import EagerBackend, forward
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 256
-COMPILED_SLOTS = 8192  # slots of the compiled path's cache (SmolLM2: 189 MB in bf16), more only if needed
+COMPILED_SLOTS = 2048  # slots of the compiled path's cache per row, more only where a sequence needs them
 RECOMPILE_LIMIT = 64  # frozen graphs per process; torch's default of 8 is too few
 GRAPH_VERSION = 3  # of what a saved graph computes or how it is generated (2: without size asserts; 3: C++ wrapper)
 RECHECK_S = 2.0  # `auto`: how often a step whose graph is missing looks for its file again
