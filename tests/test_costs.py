@@ -19,16 +19,21 @@ ACCEPT = {2: 1.6, 3: 1.9, 4: 2.1, 6: 2.4, 8: 2.6, 12: 2.8, 16: 2.95, 24: 3.1, 32
 
 
 
+def other_load(cores: float):
+    """An OtherLoad that reads `cores` of other processes' load, whatever runs."""
+    from medusa_decoding.platform import OtherLoad
+
+    class Fixed(OtherLoad):
+        def __exit__(self, *exc):
+            self.cores = cores
+
+    return Fixed
+
+
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
     """The caching tests see a quiet machine whatever else runs; the contention test sets its own."""
-    from medusa_decoding.platform import OtherLoad
-
-    class Quiet(OtherLoad):
-        def __exit__(self, *exc):
-            self.cores = 0.0
-
-    monkeypatch.setattr(costs, "OtherLoad", Quiet)
+    monkeypatch.setattr(costs, "OtherLoad", other_load(0.0))
 
 def test_a_flat_cost_curve_chooses_a_large_tree_and_a_steep_one_a_small_tree():
     draft = dict.fromkeys(ACCEPT, 0.05)
@@ -493,9 +498,9 @@ def test_a_measurement_taken_while_other_processes_ran_is_not_cached(model, tmp_
     import sys
     import time
 
-    from medusa_decoding.platform import OtherLoad
+    from medusa_decoding.platform import OtherLoad, busy_cpu_s
 
-    if OtherLoad().__enter__()._busy0 is None:
+    if busy_cpu_s() is None:
         pytest.skip("no /proc/stat here: other processes' load cannot be read")
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2: pass"])
     with OtherLoad() as busy:
@@ -503,18 +508,10 @@ def test_a_measurement_taken_while_other_processes_ran_is_not_cached(model, tmp_
     spin.wait()
     assert busy.cores > 0.5  # a busy child counts, this process's own time does not
 
-    class Busy(OtherLoad):
-        def __exit__(self, *exc):
-            self.cores = 1.0
-
     m = saved_hydra(model, tmp_path / "d")
-    monkeypatch.setattr(costs, "OtherLoad", Busy)
+    monkeypatch.setattr(costs, "OtherLoad", other_load(1.0))
     first = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
     assert first.source == "contended" and "not cached" in first.line and not first.path.exists()
-    class Quiet(OtherLoad):
-        def __exit__(self, *exc):
-            self.cores = 0.0
-
-    monkeypatch.setattr(costs, "OtherLoad", Quiet)  # the next run measures again, and caches
+    monkeypatch.setattr(costs, "OtherLoad", other_load(0.0))  # the next run measures again, and caches
     again = costs.fit_to_machine(m, root=tmp_path / "cache", progress=False)
     assert again.source == "measured" and again.path.is_file()

@@ -319,6 +319,11 @@ class Fit:
     chain: int | None = None  # nodes of the n-gram chain chosen (0: off); None: not chosen
 
     @property
+    def keeps_chain(self) -> bool:
+        """Does the n-gram chain asked for run beside the chosen tree (chain not chosen, or > 0)?"""
+        return self.chain is None or self.chain > 0
+
+    @property
     def speedup(self) -> float:
         """The chosen budget's expected speed-up over plain decoding (1 when nothing was chosen)."""
         return next((r["expected_speedup"] for r in self.table if r["budget"] == self.budget
@@ -360,7 +365,7 @@ def machine_curves(model, sizes: list[int], drafter=None, budgets=(), setups: di
     finally:
         if bar:
             bar.close()
-    contended = load.cores is not None and load.cores > CONTENDED_CORES
+    contended = load.above(CONTENDED_CORES)
     seconds = (time.perf_counter() - t0) / len(setups)
     out = {}
     for (mode, (fp, path, curve)), (step, verify, draft) in zip(found.items(), results):
@@ -447,7 +452,7 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     if compiled is not None and curve.compiled is None:
         with OtherLoad() as load:
             curve.compiled = compiled_ratio(eager, compiled, model.drafter.feature_layers)
-        if load.cores is not None and load.cores > CONTENDED_CORES:
+        if load.above(CONTENDED_CORES):
             source = "contended"
         if curve.compiled is not None and source != "contended":
             save_curve(curve, path)

@@ -74,3 +74,7 @@ class OtherLoad:
         wall, own, busy = time.perf_counter() - self._t0, time.process_time() - self._own0, busy_cpu_s()
         if self._busy0 is not None and busy is not None and wall > 0:
             self.cores = max(busy - self._busy0 - own, 0.0) / wall
+
+    def above(self, cores: float) -> bool:
+        """Did other processes use more than `cores` (False where their load could not be read)?"""
+        return self.cores is not None and self.cores > cores

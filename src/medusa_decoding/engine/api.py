@@ -152,13 +152,13 @@ class MedusaModel:
         if fit.budget is not None and drafter is not None:
             drafter = copy.copy(drafter)  # shares the weights; its budget is its own
             drafter.set_budget(fit.budget)
-        return drafter, self.ngram_asked if fit.chain is None or fit.chain else None
+        return drafter, self.ngram_asked if fit.keeps_chain else None
 
     def apply_fit(self, fit) -> None:
         """Decode as the costs.Fit chose from now on: the drafter's budget and the n-gram branch."""
         if fit.budget is not None and self.drafter is not None:
             self.drafter.set_budget(fit.budget)
-        self.ngram = self.fitted(fit)[1]
+        self.ngram = self.ngram_asked if fit.keeps_chain else None
 
     def verifier(self, rows: int = 1, use_medusa: bool = True) -> TransformersVerifier:
         """A verifier of its own for one decoder (the backend's compiled graphs are shared)."""

@@ -366,7 +366,8 @@ class Decoder:
                 if p.branches:
                     draft = p.source_of(int(r.nodes[1]))
                 st.accepted_by[draft.value] = st.accepted_by.get(draft.value, 0) + len(new) - 1
-            st.counters = s.proposer.counters()
+            if p is not None:  # a proposer's own counts change only on the steps it proposes
+                st.counters = s.proposer.counters()
             depths = list(range(1, len(new))) + [0]
             sources = [draft] * (len(new) - 1) + [Source.BONUS]
             new = self._cut(s, new)
