@@ -5,6 +5,9 @@ inputs, what compile mode auto loads) or frozen (weights folded in).
 
     .venv/bin/python scripts/profile_step.py --prefix 200 --nodes 1,16 --threads 2
     .venv/bin/python scripts/profile_step.py --paths eager,saved,frozen --nodes 1,8 --top 0
+    .venv/bin/python scripts/profile_step.py --dtype float32 --paths saved,saved-int8 --graphs cache --top 0
+
+A path with `-int8` runs the GGUF blocks' linears in the int8 numerics (config.Numerics).
 
 Prints the median step time of each path (interleaved rounds) and torch.profiler's top operators.
 Run it on a quiet machine: other jobs skew every figure.
@@ -21,7 +24,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from medusa_decoding.config import Numerics
 from medusa_decoding.models import load_base, use_fast_attention
+from medusa_decoding.platform import cache_dir
 from medusa_decoding.tree import build_tree
 from medusa_decoding.verifiers.compiled import CompiledBackend
 from medusa_decoding.verifiers.transformers import EagerBackend, TransformersVerifier
@@ -40,7 +45,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--paths", default="reference,eager,compiled",
-                    help="of reference, eager, stock, compiled (the default freezing), saved, frozen")
+                    help="of reference, eager, stock, compiled (the default freezing), saved, frozen; eager and "
+                         "saved also as eager-int8, saved-int8")
+    ap.add_argument("--graphs", default=None, help="where saved graphs are found or built: 'cache' ($MEDUSA_CACHE/"
+                    "compiled, what medusa compile built) or a folder (default: a new temporary one)")
     ap.add_argument("--top", type=int, default=8, help="operators shown per profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,12 +57,16 @@ def main() -> None:
     paths = args.paths.split(",")
     prompt = torch.randint(100, 10_000, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     fast = use_fast_attention(model)
-    attention = {"reference": "sdpa", "eager": fast, "stock": fast, "compiled": fast, "saved": fast, "frozen": fast}
-    graphs = Path(tempfile.mkdtemp())  # saved graphs compiled here, not loaded from the user's cache
+    attention = dict.fromkeys(paths, fast) | {"reference": "sdpa"}
+    graphs = (cache_dir() / "compiled" if args.graphs == "cache" else Path(args.graphs) if args.graphs
+              else Path(tempfile.mkdtemp()))
+    int8 = Numerics.INT8
     backends = {"reference": lambda: EagerBackend(model, slots=False), "eager": lambda: EagerBackend(model),
+                "eager-int8": lambda: EagerBackend(model, numerics=int8),
                 "stock": lambda: EagerBackend(model, packed=False),
                 "compiled": lambda: CompiledBackend(model, graphs=graphs),
                 "saved": lambda: CompiledBackend(model, freeze=False, graphs=graphs),
+                "saved-int8": lambda: CompiledBackend(model, freeze=False, graphs=graphs, numerics=int8),
                 "frozen": lambda: CompiledBackend(model, freeze=True, graphs=graphs)}
     backends = {path: backends[path]() for path in paths}
 
@@ -90,7 +102,7 @@ def main() -> None:
                 times[key].append(time.perf_counter() - t0)
         print(f"\nstep time, median of {args.rounds} (ms), prefix {args.prefix}, {args.dtype}, {args.threads} threads")
         for (path, n), ts in times.items():
-            print(f"  {path:9s} {n:3d} nodes  {statistics.median(ts) * 1000:6.2f}")
+            print(f"  {path:10s} {n:3d} nodes  {statistics.median(ts) * 1000:6.2f}")
         for (path, n), step in steps.items() if args.top else ():
             model.set_attn_implementation(attention[path])
             with profile(activities=[ProfilerActivity.CPU]) as prof:

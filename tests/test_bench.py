@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from medusa_decoding.bench import (
-    BatchRun, Record, batch_inputs, first_difference, identity_check, load_jsonl_prompts, load_suite,
+    BatchRun, Record, batch_inputs, first_difference, identity_check, identity_reference, load_jsonl_prompts, load_suite,
     parse_batch_sizes, per_prompt_speedups, run_batched, select, summarize, summarize_batch,
 )
 from medusa_decoding.config import MedusaError
@@ -59,7 +59,7 @@ def test_bench_end_to_end(capsys, monkeypatch, setup, tmp_path, caplog):
         assert results["identity"][method] == {"compared": 2, "differ": 0, "first": None, "reference": "plain"}
     # exact mode: each @exact method against plain@exact
     assert results["identity"]["medusa@exact"] == {"compared": 2, "differ": 0, "first": None, "reference": "plain@exact"}
-    assert "plain@exact" not in results["identity"]
+    assert results["identity"]["plain@exact"]["reference"] == "plain"  # what exact mode changes
     assert results["identity"]["hf"]["compared"] == 2
     assert results["machine"]["dtype"] == "float32" and "bench" in results["machine"]["command"]
     report = (out / "report.md").read_text()
@@ -238,6 +238,17 @@ def test_identity_check_reports_the_first_mismatch():
                                "reference_token": 6, "token": 9}
     assert first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)
     assert first_difference(same, same) is None
+
+
+def test_each_method_is_compared_with_plain_decoding_in_its_own_numerics_and_mode():
+    names = ["plain", "default", "plain@int8", "default@int8@compiled", "default@exact", "plain@exact", "llama.cpp"]
+    refs = {m: identity_reference(m, names) for m in names}
+    assert refs == {"plain": None, "default": "plain", "plain@int8": "plain", "default@int8@compiled": "plain@int8",
+                    "default@exact": "plain@exact", "plain@exact": "plain", "llama.cpp": "plain"}
+    assert identity_reference("default@int8", ["default@int8", "plain"]) == "plain"  # no plain@int8 in the run
+    assert identity_reference("default@int8@compiled", ["plain", "plain@int8@compiled"]) == "plain@int8@compiled"
+    assert identity_reference("plain@int8@compiled", ["plain", "plain@int8", "plain@int8@compiled"]) == "plain@int8"
+    assert identity_reference("default", ["default"]) is None
 
 
 def test_prompt_loading(setup, caplog):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_decoding.spec import DecodeSpec
-from medusa_decoding.config import NgramConfig
+from medusa_decoding.config import MedusaError, NgramConfig, Numerics
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import use_fast_attention
 from medusa_decoding.kernels import blocks
@@ -177,6 +177,58 @@ def test_a_lossy_copy_puts_weights_that_are_not_blocks_on_q8_0_blocks_of_their_o
 
 
 @needs_kernel
+def int8_reference(x: torch.Tensor, found: blocks.Blocks) -> torch.Tensor:
+    """The int8 numerics in float64: each row's blocks of 32 quantized to round(x * 127 / max|x|) (fp32,
+    ties to even), times the integer codes, scaled by d e (and m e sum c for Q4_1), summed."""
+    n, k = found.shape
+    v = x.reshape(x.shape[0], k // 32, 32)
+    top = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    c = (v * inv).round().double()
+    e = (top / 127.0).double()
+    p = found.codes.shape[0]
+    if found.kind is blocks.BlockKind.Q4_1:
+        q = torch.cat([found.codes & 15, found.codes >> 4], -1)  # [P, K, 16]
+    else:
+        q = found.codes
+    q = q.double().permute(0, 2, 1).reshape(n, k // 32, 32)  # [N, K/32, 32]
+    d = found.d.double().permute(0, 2, 1).reshape(n, k // 32)
+    sums = torch.einsum("rbk,nbk->rnb", c, q)  # [rows, N, blocks]: integers
+    y = (sums * d[None] * e[:, None, :, 0])
+    if found.kind is blocks.BlockKind.Q4_1:
+        m = found.m.double().permute(0, 2, 1).reshape(n, k // 32)
+        y = y + m[None] * (e[..., 0] * c.sum(-1))[:, None, :]
+    return y.sum(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(blocks.BlockKind))
+def test_the_int8_path_is_the_integer_product_of_rows_quantized_alone(kind):
+    """Numerics.INT8: the kernel's int8 path is the float64 product of each row quantized per block
+    with the layer's own codes (to fp32 rounding), each row of a product is the one-row product at
+    every grouping of rows, and the extreme codes (0/15, -128/127) and zero blocks of x are handled."""
+    g = torch.Generator().manual_seed(2)
+    w = blocks.quantize(torch.randn(64, 160, generator=g), kind)
+    found = blocks.recover(w)
+    if kind is blocks.BlockKind.Q8_0:  # Q8_0 codes reach -128 in a GGUF, never from `quantize`
+        found.codes[0, :32, :4] = -128
+        found.codes[1, 32:64, 4:] = 127
+    int8 = blocks.for_this_machine(found, Numerics.INT8)
+    assert int8.int8 and blocks.to_int8(found).codes.shape[1] == 160 // 4
+    x = torch.randn(40, 160, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    x[3, 32:64] = 0.0
+    alone = torch.cat([blocks.block_linear(x[i:i + 1], int8, None) for i in range(40)])
+    ref = int8_reference(x, found)
+    assert float(((alone.double() - ref).abs() / ref.abs().amax(-1, keepdim=True)).max()) < 1e-6
+    for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 17, 40):
+        assert torch.equal(blocks.block_linear(x[:n], int8, None), alone[:n])
+    exact = blocks.block_linear(x, blocks.for_this_machine(found), None)
+    err = float(((alone - exact).abs() / exact.abs().amax(-1, keepdim=True)).max())
+    assert 1e-5 < err < blocks.INT8_TOLERANCE  # another arithmetic than fp32's, close to it
+    other = blocks.quantize(torch.randn(64, 160, generator=g), kind)
+    assert blocks.check(w, blocks.to_int8(blocks.recover(other))) is not None  # the check still tells other weights
+
+
 def test_the_step_runs_on_blocks_and_gives_the_stock_logits_closely():
     base = gguf_like_llama()
     backend = EagerBackend(base)
@@ -247,15 +299,19 @@ def test_compile_auto_builds_graphs_that_run_on_blocks_in_the_background(tmp_pat
 
 
 @needs_kernel
+@pytest.mark.parametrize("numerics", list(Numerics))
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind):
-    """fp32, random drafters (Medusa heads, hydra on a shortlist of the Q8_0 LM head), n-gram branch:
-    token-identical to plain decoding on the same blocks, and the blocks really ran."""
+def test_speculative_decoding_on_blocks_gives_plain_decoding_s_tokens(kind, numerics):
+    """fp32 and int8 numerics, random drafters (Medusa heads, hydra on a shortlist of the Q8_0 LM head),
+    n-gram branch: token-identical to plain decoding on the same blocks in the same numerics, and the
+    blocks really ran in it."""
     from test_methods import random_drafter
 
     base = gguf_like_llama()
     weights = random_heads(base, scale=3.0) if kind == "medusa" else random_drafter(kind, base)
-    backend, tok = EagerBackend(base), byte_tokenizer()
+    backend, tok = EagerBackend(base, numerics=numerics), byte_tokenizer()
+    assert {m.blocks.int8 for m in backend.model.modules() if isinstance(m, blocks.BlockLinear)} == {
+        numerics is Numerics.INT8}
     calls = []
     for m in backend.model.modules():
         if isinstance(m, blocks.BlockLinear):
@@ -304,3 +360,40 @@ def test_models_whose_weights_are_not_blocks_stay_stock(monkeypatch):
     assert blocks.recoverable(gguf)
     monkeypatch.setattr(blocks, "kernel", lambda: None)  # no compiler here: stock, not a crash
     assert blocks.block_linears(gguf) is gguf and not EagerBackend(gguf).packed
+
+
+def test_the_int8_numerics_is_refused_where_the_linears_are_not_on_blocks():
+    with pytest.raises(MedusaError, match="numerics int8 is built for linears on a GGUF's blocks"):
+        EagerBackend(tiny_llama(), numerics=Numerics.INT8)
+    with pytest.raises(MedusaError, match="unknown numerics 'int4'"):
+        DecodeSpec(numerics="int4")
+
+
+@needs_kernel
+def test_int8_graphs_are_saved_apart_and_speculation_on_them_gives_plain_decoding_s_tokens(tmp_path):
+    """A compiled step in the int8 numerics calls the int8 operators (linears and the row-invariant
+    attention), keeps its graphs in a folder of its own (not the fp32 graphs'), and speculative decoding
+    on its graphs gives plain decoding's tokens on them; compile mode auto runs int8 eager (a run must not
+    mix eager and compiled steps there); the base model keeps its own attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = gguf_like_llama()
+    tok, heads = byte_tokenizer(), random_heads(base, scale=3.0)
+    compiled = CompiledBackend(base, graphs=tmp_path, numerics=Numerics.INT8)
+    assert compiled.linears == "blocks-int8" and compiled.folder != CompiledBackend(base, graphs=tmp_path).folder
+    assert compiled.model.config._attn_implementation == "medusa_rowwise" != base.config._attn_implementation
+    assert not compiles_by_default(base, Numerics.INT8) and compiles_by_default(base)
+    runs = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for spec in (False, True):
+            model = MedusaModel(base, tok, heads=heads if spec else None, ngram=NgramConfig(length=4) if spec else None,
+                                backend=compiled)
+            out = model.generate("Hello there, ", chat=False, max_new_tokens=24, ignore_eos=True)
+            runs[spec] = out.token_ids
+    assert runs[True] == runs[False] and max(out.stats.accepted_lengths) > 1 and len(compiled.shapes) > 1
+    names = {e.name for e in prof.events()}
+    assert {"medusa_blocks::linear_int8", "medusa_blocks::rowwise_attention"} <= names
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a, b = EagerBackend(base, numerics=Numerics.INT8).model(ids).logits, EagerBackend(base).model(ids).logits
+    assert 0 < float((a - b).abs().max() / b.abs().max()) < 0.05

@@ -64,6 +64,8 @@ def test_generate_streams_text_and_stats(capsys, monkeypatch, model_dir):
     (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read"),
     (["--json-schema", "NOTJSON"], "is not JSON"),
     (["--json-schema", "SCHEMA", "--regex", "a"], "give --json-schema or --regex, not both"),
+    (["--numerics", "int4"], "unknown numerics 'int4'"),
+    (["--numerics", "int8"], "numerics int8 is built for linears on a GGUF's blocks"),  # random weights: no blocks
 ])
 def test_bad_input_exits_2_with_one_line(capsys, monkeypatch, model_dir, args, message):
     folder, heads, bad_heads = model_dir

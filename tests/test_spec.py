@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from medusa_decoding.config import CalibrationMode, CompileMode, MedusaError, NgramConfig
+from medusa_decoding.config import CalibrationMode, CompileMode, MedusaError, NgramConfig, Numerics
 from medusa_decoding.engine import MedusaModel
 from medusa_decoding.models import shipped_drafter
 from medusa_decoding.spec import COMPILED, EXACT, DecodeSpec, parse_method
@@ -92,6 +92,10 @@ def test_bench_method_names_keep_their_parts():
     assert not parse_method("llama.cpp").engine
     with pytest.raises(MedusaError, match="not our engine's"):
         parse_method("hf").spec()
+    m = parse_method("default@shipped@int8@compiled")
+    assert (m.kind, m.shipped, m.numerics, m.mode, m.core) == ("default", True, Numerics.INT8, COMPILED,
+                                                                "default@shipped@int8")
+    assert m.spec().numerics is Numerics.INT8 and parse_method("default").spec().numerics is Numerics.FP32
 
 
 @pytest.mark.parametrize("name, message", [
@@ -101,6 +105,9 @@ def test_bench_method_names_keep_their_parts():
     ("plain+owl", "unknown method"),
     ("medusa@shipped", "@shipped is for default, hydra, eagle"),
     ("hf-pld@exact", "@exact is for our engine's methods"),
+    ("llama.cpp@int8", "@int8 is for our engine's methods"),
+    ("plain@int8@stock", "@int8 runs the linears on a GGUF's blocks"),
+    ("plain@compiled@int8", "unknown method"),
 ])
 def test_bad_bench_method_names_are_refused(name, message):
     with pytest.raises(MedusaError, match=message):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import proposers
-from .config import MedusaError
+from .config import CompileMode, MedusaError, Numerics
 from .kernels import blocks
 from .kernels.attention import register_attention
 from .models import load_base
@@ -115,23 +115,26 @@ def build_wanted(folder: Path, spec: dict) -> int:
         model, _, _ = load_base(spec["model"], dtype=spec["dtype"], device=spec["device"])
         register_attention(exact=False), register_attention(exact=True)  # the package's kernels, by name
         model.set_attn_implementation(spec["attention"])
-        if graph_folder(model, folder.parent) != folder:
+        numerics = Numerics.parse(spec.get("numerics", Numerics.FP32.value))
+        if graph_folder(model, folder.parent, numerics) != folder:
             log.error("%s loads as another model or machine than %s's key: nothing built", spec["model"], folder)
             return 0
-        run = blocks.block_linears(model) if blocks.on_blocks(model) else model  # the layers CompiledBackend runs
+        run = blocks.block_linears(model, numerics=numerics) if blocks.on_blocks(model) else model  # what CompiledBackend runs
         return build_listed(folder, run, spec.get("idle_s", BUILDER_IDLE_S))
 
 
 def compile_method(model, prompts: list[str], max_new_tokens: int, progress: bool = True) -> tuple[int, int]:
-    """`medusa compile`: decode `prompts` with `model` (a MedusaModel on a compile-mode-auto backend)
-    so that every shape its steps need is listed in the backend's folder (a shape already saved is
-    loaded instead), then build all listed shapes in this process, a bar on stderr -> (graphs built,
-    graphs the run loaded)."""
+    """`medusa compile`: decode `prompts` with `model` (a MedusaModel on a compile-mode-auto backend; mode
+    on in the int8 numerics, which compiles each shape as it is met) so that every shape its steps need
+    is listed in the backend's folder (a shape already saved is loaded instead), then build all listed
+    shapes in this process, a bar on stderr -> (graphs built, graphs the run loaded)."""
     from tqdm import tqdm
 
     backend = model.backend
     for prompt in tqdm(prompts, desc="listing shapes", unit="prompt", file=sys.stderr, disable=not progress):
         model.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+    # compile mode on (the int8 numerics) compiles each new shape as the run meets it: those count as built
+    met = len(backend.shapes) - backend.loaded if backend.mode is CompileMode.ON else 0
     listed = len(list((backend.folder / WANTED).glob("*.json")))
     with builder_lock(backend.folder) as held:
         if not held:
@@ -139,7 +142,7 @@ def compile_method(model, prompts: list[str], max_new_tokens: int, progress: boo
         bar = tqdm(total=listed, desc="building graphs", unit="graph", file=sys.stderr, disable=not progress)
         built = build_listed(backend.folder, backend.model, 0.0, lambda done, left: bar.update(1))
         bar.close()
-    return built, backend.loaded
+    return built + met, backend.loaded
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)

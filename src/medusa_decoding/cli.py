@@ -14,7 +14,7 @@ import typer
 
 from .bench.config import BenchConfig
 from .calibrate import ANSWER_TOKENS, PROMPTS
-from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, DistillConfig, GenerationConfig, LoadConfig, MedusaError, NgramConfig, SamplingConfig, TrainConfig
+from .config import DEFAULT_MODEL, CalibrationMode, CompileMode, DistillConfig, GenerationConfig, LoadConfig, MedusaError, NgramConfig, Numerics, SamplingConfig, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Medusa speculative decoding for Hugging Face causal language models.")
@@ -31,6 +31,7 @@ NgramOpt = typer.Option(NgramConfig.length, "--ngram", help="An n-gram branch of
 DatastoreOpt = typer.Option(None, "--datastore", help="A datastore file (medusa datastore: the model's own answers): where the n-gram branch looks when the context has no match; default: the context only.")
 CalibrationOpt = typer.Option(CalibrationMode.AUTO.value, "--calibration", help="The drafter's budget: auto (fitted to this machine from its verify and drafting costs, measured once in ~10-30 s and cached under $MEDUSA_CACHE), refresh (measure again) or shipped (the checkpoint's own).")
 NoMedusaOpt = typer.Option(False, "--no-medusa", help="Plain decoding through the same engine (the baseline).")
+NumericsOpt = typer.Option(Numerics.FP32.value, "--numerics", help="The arithmetic of the linear layers on a GGUF's blocks: fp32 (the model's own, the default) or int8 (activations quantized to 8 bits per row and block of 32, as llama.cpp computes: 2-5x cheaper layers on CPUs without AMX, other tokens than fp32 after a near-tie; speculation stays token-identical to plain decoding in int8). docs/ENGINE.md has the agreement figures.")
 
 
 def fail(message: str) -> None:
@@ -40,7 +41,8 @@ def fail(message: str) -> None:
 
 def decode_spec(heads: Optional[Path], tree: Optional[str], no_medusa: bool, ngram: int = NgramConfig.length,
                 tree_budget: Optional[int] = None, compile: Optional[bool] = None, exact: Optional[bool] = None,
-                calibration: str = CalibrationMode.AUTO.value, datastore: Optional[Path] = None):
+                calibration: str = CalibrationMode.AUTO.value, datastore: Optional[Path] = None,
+                numerics: str = Numerics.FP32.value):
     """The DecodeSpec of generate's and serve's method options (compile None: mode auto); with no
     options, DecodeSpec() itself: what the Python API decodes by default."""
     from .spec import DecodeSpec
@@ -51,7 +53,7 @@ def decode_spec(heads: Optional[Path], tree: Optional[str], no_medusa: bool, ngr
         fail("--datastore feeds the n-gram branch: drop " + ("--no-medusa" if no_medusa else "--ngram 0"))
     options = dict(tree=tree, tree_budget=tree_budget, ngram=ngram, datastore=datastore, exact=exact,
                    compile=CompileMode.AUTO if compile is None else CompileMode.parse(compile),
-                   calibration=calibration)
+                   calibration=calibration, numerics=numerics)
     if no_medusa:
         return DecodeSpec.plain(**options | dict(tree=None, tree_budget=None, ngram=None))
     return DecodeSpec(**options) if heads is None else DecodeSpec(drafter=str(heads), **options)
@@ -133,6 +135,7 @@ def generate(
     compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
+    numerics: str = NumericsOpt,
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Structured output: the answer is JSON valid under this JSON schema file (speculation stays lossless under it)."),
     regex: Optional[str] = typer.Option(None, "--regex", help="Structured output: the whole answer matches this regular expression."),
 ) -> None:
@@ -143,7 +146,7 @@ def generate(
     GenerationConfig(max_new_tokens=max_new_tokens, stop=stop)  # validate before the model loads
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptance=acceptance)
     SamplingConfig(**sampling)
-    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
+    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore, numerics)
     m = load_model(model, spec, dtype, device)
     stream = m.stream(prompt, max_new_tokens=max_new_tokens, chat=chat, stop=stop, grammar=grammar, **sampling)
     for delta in stream:
@@ -165,6 +168,7 @@ def compile_graphs(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     calibration: str = CalibrationOpt,
+    numerics: str = NumericsOpt,
 ) -> None:
     """Build the compiled step's graphs for this method on this machine, in the foreground: the shapes
     a run of --prompts prompts needs, and those earlier runs listed (they ran them eager). Later
@@ -175,7 +179,9 @@ def compile_graphs(
     if not 1 <= prompts <= 39:
         fail(f"--prompts must be between 1 and 39, got {prompts}")
     GenerationConfig(max_new_tokens=max_new_tokens)
-    spec = decode_spec(heads, tree, False, ngram, tree_budget, None, None, calibration)
+    # int8: compile mode auto runs eager (compiles_by_default), so every shape is compiled as it is met
+    compiled = True if Numerics.parse(numerics) is Numerics.INT8 else None
+    spec = decode_spec(heads, tree, False, ngram, tree_budget, compiled, None, calibration, numerics=numerics)
     m = load_model(model, spec, dtype, device)
     if not m.backend.compiled:
         typer.echo(f"nothing to build: {model} runs eager here by default ({m.backend.stats()['backend']}: "
@@ -276,6 +282,7 @@ def serve(
     compile: Optional[bool] = CompileOpt,
     exact: Optional[bool] = ExactOpt,
     calibration: str = CalibrationOpt,
+    numerics: str = NumericsOpt,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) running the same method as generate, with continuous batching; a page on / shows each answer's tokens coloured by how they were produced."""
     if max_batch_size < 1:
@@ -286,7 +293,7 @@ def serve(
         from .server import serve as run_server
     except ImportError as e:
         fail(f"the server needs fastapi, uvicorn and prometheus-client: pip install 'medusa-decoding[serve]' ({e})")
-    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore)
+    spec = decode_spec(heads, tree, no_medusa, ngram, tree_budget, compile, exact, calibration, datastore, numerics)
     m = load_model(model, spec, dtype, device)
     typer.echo(f"the page: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/", err=True)
     run_server(m, host=host, port=port, max_batch_size=max_batch_size, use_medusa=not no_medusa, adaptive=adaptive)

@@ -89,6 +89,22 @@ class CompileMode(str, enum.Enum):
             raise MedusaError(f"unknown compile mode {value!r}; use one of {', '.join(c.value for c in cls)}") from None
 
 
+class Numerics(str, enum.Enum):
+    """The arithmetic of the base's linear layers where they run on a GGUF's blocks (kernels/blocks.py):
+    a numerics mode changes the model's output, and speculation stays token-identical to plain
+    decoding in each one. Elsewhere (stock or packed layers, GPUs) only FP32 is built."""
+
+    FP32 = "fp32"  # the model's own arithmetic: fp32 activations times the blocks' exact weights
+    INT8 = "int8"  # activations quantized per row to int8 per block of 32 (llama.cpp's Q8_1 arithmetic)
+
+    @classmethod
+    def parse(cls, value) -> Numerics:
+        try:
+            return cls(value)
+        except ValueError:
+            raise MedusaError(f"unknown numerics {value!r}; use one of {', '.join(c.value for c in cls)}") from None
+
+
 class Acceptance(str, enum.Enum):
     """How the base model's distribution decides which tree candidates to keep."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .kernels.attention import fits_short_query_attention
-from .config import CompileMode
+from .config import CompileMode, Numerics
 from .models import use_fast_attention
 from .platform import OtherLoad, cache_dir, processor_info
 from .tree import build_tree
@@ -50,12 +50,13 @@ def fingerprint(model, backend=None) -> dict:
     model's). On GGUF blocks: the kernel's source tag too (its source, torch's version and the
     instruction set it was built for)."""
     backend = backend or model.backend
+    linears = getattr(backend, "linears", "stock")  # "blocks-int8": the int8 numerics
     device = model.device
     cpu, isa = processor_info(device)
     return {"model": model.name, "dtype": str(model.base.dtype).removeprefix("torch."), "device": device.type,
             "processor": cpu, "isa": isa, "threads": torch.get_num_threads(),
             "verifier": backend.stats()["backend"], "attention": model.base.config._attn_implementation,
-            "kernel": blocks.source_tag() if getattr(backend, "linears", None) == "blocks" else None,
+            "kernel": blocks.source_tag() + linears.removeprefix("blocks") if linears.startswith("blocks") else None,
             "torch": torch.__version__, "version": VERSION}
 
 
@@ -388,7 +389,9 @@ def unfitted(model) -> Fit | None:
     if not drafter.acceptance():
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): it ships no "
                    "acceptance statistics to choose a budget from (`medusa calibrate --heads DIR` measures them)")
-    if model.backend.compiled and model.backend.mode is not CompileMode.AUTO:
+    # int8 compiles every shape (compiled.compiles_by_default): fitted to the eager int8 step, as mode auto is
+    fp32 = model.backend.numerics is Numerics.FP32
+    if model.backend.compiled and model.backend.mode is not CompileMode.AUTO and fp32:
         return Fit(None, "shipped", f"calibration: the checkpoint's own ({drafter.describe()}): timing a compiled "
                    "step at every size would compile each one (~30 s); fit the budget without --compile "
                    "(compile mode auto, the default, fits it to the eager step's costs)")
@@ -446,7 +449,8 @@ def fit_to_machine(model, root: Path | None = None, progress: bool = True, refre
     sizes, budgets = fit_sizes(model)
     if compiled is None and model.backend.compiled:
         compiled = model.backend
-    eager = EagerBackend(model.base) if model.backend.compiled else model.backend  # the curve is measured eager
+    # the curve is measured eager
+    eager = EagerBackend(model.base, numerics=model.backend.numerics) if model.backend.compiled else model.backend
     ((curve, path, source),) = machine_curves(model, sizes, model.drafter, budgets, None, root, progress,
                                               refresh, backend=eager).values()
     if compiled is not None and curve.compiled is None:

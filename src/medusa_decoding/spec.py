@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from .config import CalibrationMode, CompileMode, DrafterKind, MedusaError, NgramConfig
+from .config import CalibrationMode, CompileMode, DrafterKind, MedusaError, NgramConfig, Numerics
 
 SHIPPED = "shipped"  # the drafter the package ships for a built-in model
 DYNAMIC = "dynamic"  # Medusa heads' tree re-selected every step (EAGLE-2's rule)
@@ -34,6 +34,7 @@ class DecodeSpec:
     compile: CompileMode = CompileMode.AUTO  # how the verification step runs (verifiers/compiled.py)
     exact: bool | None = None  # exact mode; None: where this machine's calibration finds it nearly free (bf16, fp16)
     calibration: CalibrationMode = CalibrationMode.AUTO  # where the drafter's budget comes from (costs.py)
+    numerics: Numerics = Numerics.FP32  # the arithmetic of the base's linears on a GGUF's blocks (kernels/blocks.py)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalising a frozen dataclass's fields once, here
@@ -46,6 +47,7 @@ class DecodeSpec:
         set_(self, "ngram", _ngram(self.ngram))
         set_(self, "compile", CompileMode.parse(self.compile))
         set_(self, "calibration", CalibrationMode.parse(self.calibration))
+        set_(self, "numerics", Numerics.parse(self.numerics))
         if self.drafter is not None and self.drafter.startswith(SHIPPED + ":"):
             DrafterKind.parse(self.drafter.partition(":")[2])
         if self.tree_budget is not None and self.tree_budget < 2:
@@ -111,6 +113,7 @@ NGRAM = "+ngram"  # suffix: the same method with an n-gram branch
 EXACT, COMPILED, STOCK = "@exact", "@compiled", "@stock"  # run modes of our engine's methods
 SERVED = "@serve"  # run mode: the method answered by its OpenAI server in the bench's process (bench/serving.py)
 AT_SHIPPED = "@shipped"  # a drafter's budget as the checkpoint ships it, not fitted to this machine
+AT_INT8 = "@int8"  # the base's linears in the int8 numerics (Numerics.INT8)
 ENGINE_KINDS = ("plain", "default", "medusa", "dynamic", "hydra", "eagle")  # our engine's methods
 FITTED_KINDS = ("default", "hydra", "eagle")  # those whose drafter budget is fitted to the machine
 VLLM, VLLM_NGRAM, VLLM_MEDUSA = "vllm", "vllm-ngram", "vllm-medusa"  # vLLM plain, its n-gram speculation, our heads
@@ -120,13 +123,14 @@ FOREIGN_KINDS = ("hf", "hf-pld", "llama.cpp", *VLLM_KINDS)  # methods that are n
 
 @dataclass(frozen=True)
 class Method:
-    """A bench method name, parsed: `kind[+ngram][@shipped][@exact|@compiled|@stock|@serve]`."""
+    """A bench method name, parsed: `kind[+ngram][@shipped][@int8][@exact|@compiled|@stock|@serve]`."""
 
     name: str
     kind: str  # one of ENGINE_KINDS or FOREIGN_KINDS
     ngram: bool = False  # +ngram
     shipped: bool = False  # @shipped: the checkpoint's own budget
     mode: str = ""  # "", EXACT, COMPILED, STOCK or SERVED
+    numerics: Numerics = Numerics.FP32  # @int8: Numerics.INT8
 
     @property
     def core(self) -> str:
@@ -156,7 +160,7 @@ class Method:
             base, drafter=drafter, tree=DYNAMIC if self.kind == "dynamic" else None,
             ngram=(base.ngram or NgramConfig()) if with_ngram else None,
             datastore=base.datastore if with_ngram else None,
-            exact=True if self.mode == EXACT else base.exact,
+            exact=True if self.mode == EXACT else base.exact, numerics=self.numerics,
             compile=CompileMode.OFF if self.mode in (EXACT, STOCK) else base.compile,
             # Medusa heads keep their tree: only a drafter that drafts its own tree has a budget to fit
             calibration=CalibrationMode.SHIPPED if self.shipped or self.kind not in FITTED_KINDS else base.calibration,
@@ -171,16 +175,20 @@ def parse_method(name: str) -> Method:
         if rest.endswith(suffix):
             rest, mode = rest.removesuffix(suffix), suffix
             break
+    int8 = rest.endswith(AT_INT8)
+    rest = rest.removesuffix(AT_INT8)
     shipped = rest.endswith(AT_SHIPPED)
     rest = rest.removesuffix(AT_SHIPPED)
     kind, plus, suffix = rest.partition("+")
     usage = (f"use a comma-separated list of {', '.join(ENGINE_KINDS + FOREIGN_KINDS)}, "
              f"plain/medusa/dynamic/hydra/eagle optionally with {NGRAM}; {'/'.join(FITTED_KINDS)} with {AT_SHIPPED}; "
-             f"any of our engine's with {EXACT}, {COMPILED}, {STOCK} or {SERVED}")
+             f"any of our engine's with {AT_INT8} (before the run mode) and with {EXACT}, {COMPILED}, {STOCK} or {SERVED}")
     if kind not in ENGINE_KINDS + FOREIGN_KINDS or (plus and (f"+{suffix}" != NGRAM or kind in FOREIGN_KINDS or kind == "default")):
         raise MedusaError(f"unknown method {name!r}; {usage}")
     if shipped and kind not in FITTED_KINDS:
         raise MedusaError(f"{name}: {AT_SHIPPED} is for {', '.join(FITTED_KINDS)} (a drafter with a budget)")
-    if mode and kind in FOREIGN_KINDS:
-        raise MedusaError(f"{name}: {mode} is for our engine's methods")
-    return Method(name, kind, bool(plus), shipped, mode)
+    if (mode or int8) and kind in FOREIGN_KINDS:
+        raise MedusaError(f"{name}: {mode or AT_INT8} is for our engine's methods")
+    if int8 and mode == STOCK:
+        raise MedusaError(f"{name}: {AT_INT8} runs the linears on a GGUF's blocks, {STOCK} on the stock ones")
+    return Method(name, kind, bool(plus), shipped, mode, Numerics.INT8 if int8 else Numerics.FP32)

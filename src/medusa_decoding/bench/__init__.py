@@ -33,7 +33,7 @@ from .records import Generate, Record
 from .prompts import BUILTIN, SUITES, Prompt, load_jsonl_prompts, load_suite, select
 from .report import (BATCH_HEADER, OVERALL_HEADER, batch_identity_line, batch_table_rows, fitted_line, identity_line, machine_info,
                      method_row, text_table, write_plots, write_report, validity_line, grammar_line)
-from .summary import first_difference, fitted_vs_shipped, identity_check, per_prompt_speedups, summarize
+from .summary import first_difference, fitted_vs_shipped, identity_check, identity_reference, per_prompt_speedups, summarize
 
 log = logging.getLogger("medusa_decoding.bench")
 
@@ -112,10 +112,8 @@ def compare_methods(cfg: BenchConfig, model, methods: dict[str, Generate], promp
         identity = {m: {"skipped": "sampling (temperature > 0): outputs are not expected to match"}
                     for m in names if m != REFERENCE}
     else:
-        exact_reference = REFERENCE + EXACT
-        identity = {m: identity_check(records, m, exact_reference if m.endswith(EXACT) and exact_reference in names
-                                      else REFERENCE)
-                    for m in names if m not in (REFERENCE, exact_reference) and REFERENCE in names}
+        identity = {m: identity_check(records, m, identity_reference(m, names))
+                    for m in names if identity_reference(m, names) not in (m, None)}
     return {"methods": names, "categories": categories, "summary": summarize(records, names, categories),
             "fitted_vs_shipped": fitted_vs_shipped(records, names),
             "engine": compiled,

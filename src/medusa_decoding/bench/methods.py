@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import proposers
-from ..config import CONFIG_NAME, DrafterKind, MedusaError
+from ..config import CONFIG_NAME, CompileMode, DrafterKind, MedusaError, Numerics
 from ..kernels.attention import register_attention
 from ..spec import COMPILED, EXACT, FITTED_KINDS, NGRAM, SERVED, STOCK, VLLM_KINDS, VLLM_MEDUSA, DecodeSpec, parse_method
 from .config import LLAMACPP, PLD_TOKENS, BenchConfig
@@ -200,18 +200,22 @@ def build_methods(cfg: BenchConfig):
     """Load the base once -> (the plain MedusaModel, {method name: Generate}, the default method's
     MedusaModel or None). Each method of our engine is its name's DecodeSpec (spec.parse_method),
     assembled by the library on the shared base and backend (compiled graphs too)."""
-    from ..engine import MedusaModel
+    from ..engine import MedusaModel, make_backend
     from ..models import model_folder
 
     asked, stems, drafters, gguf, vllm_heads = checked_methods(cfg)
     shared = cfg.spec()
     base = MedusaModel.from_pretrained(cfg.model, DecodeSpec.plain(compile=shared.compile, exact=False),
                                        dtype=cfg.dtype, device=cfg.device)
-    compiled = stock = None
-    if any(m.mode == COMPILED for m in asked):  # saved graphs: what generate loads by default
+    stock = None
+    eager = {Numerics.FP32: base.backend}  # by numerics: the eager backends, and the saved graphs'
+    for n in {m.numerics for m in asked if m.engine} - {Numerics.FP32}:
+        eager[n] = make_backend(base.base, CompileMode.OFF, numerics=n)
+    compiled = {}
+    for n in {m.numerics for m in asked if m.mode == COMPILED}:  # saved graphs: what generate loads by default
         from ..verifiers.compiled import CompiledBackend
 
-        compiled = CompiledBackend(base.base, freeze=False)
+        compiled[n] = CompiledBackend(base.base, freeze=False, numerics=n)
     if any(m.mode == STOCK for m in asked):
         from ..verifiers.transformers import EagerBackend
 
@@ -222,8 +226,8 @@ def build_methods(cfg: BenchConfig):
         """The spec assembled on the shared base; on: the compiled backend its budget is fitted to."""
         key = (repr(spec), id(on))
         if key not in models:
-            models[key] = MedusaModel.from_spec(base.base, base.tokenizer, spec, name=cfg.model, backend=base.backend,
-                                                compiled=on)
+            models[key] = MedusaModel.from_spec(base.base, base.tokenizer, spec, name=cfg.model,
+                                                backend=eager[spec.numerics], compiled=on)
         return models[key]
 
     methods: dict[str, Generate] = {}  # in the order asked
@@ -245,7 +249,7 @@ def build_methods(cfg: BenchConfig):
             specs = {f"medusa:{stem}{NGRAM if m.ngram else ''}{m.mode}": replace(spec, tree=tree)
                      for tree, stem in zip(cfg.trees, stems)}
         # fitted to the compiled step's costs where it runs compiled, as generate is
-        on = compiled if m.mode == COMPILED and m.kind in FITTED_KINDS else None
+        on = compiled[m.numerics] if m.mode == COMPILED and m.kind in FITTED_KINDS else None
         for name, s in specs.items():
             if m.mode == SERVED:
                 from .serving import served_method
@@ -254,7 +258,7 @@ def build_methods(cfg: BenchConfig):
                 continue
             generate = engine_method(model(s, on), True, cfg.temperature)
             methods[name] = (exact_method(base, generate) if m.mode == EXACT else
-                             backend_method(compiled, generate) if m.mode == COMPILED else
+                             backend_method(compiled[m.numerics], generate) if m.mode == COMPILED else
                              backend_method(stock, generate) if m.mode == STOCK else generate)
     default = None
     if cfg.batch_sizes or any(m.kind == "default" for m in asked):

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..spec import AT_SHIPPED
+from ..spec import AT_INT8, AT_SHIPPED, COMPILED, EXACT, SERVED, STOCK
 from .config import BASELINE, OTHER_ENGINES, REFERENCE
 from .records import Record
 
@@ -43,6 +43,18 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] 
         if i is not None:
             return turn, i
     return None if len(a) == len(b) else (min(len(a), len(b)), 0)
+
+
+def identity_reference(method: str, names: list[str]) -> str | None:
+    """The method whose greedy tokens `method`'s should equal: plain decoding in the same numerics and
+    run mode where the run has it (plain@int8@compiled, plain@int8, plain@exact), else plain; None where
+    the run has none. plain@int8 and plain@exact are compared with plain: what the mode changes."""
+    int8 = AT_INT8 if AT_INT8 in method else ""
+    mode = next((m for m in (EXACT, COMPILED, STOCK, SERVED) if method.endswith(m)), "")
+    for ref in (REFERENCE + int8 + mode, REFERENCE + int8, REFERENCE):
+        if ref in names and ref != method:
+            return ref
+    return None
 
 
 def identity_check(records: list[Record], method: str, reference: str = REFERENCE) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from .. import proposers
 from ..config import (DEFAULT_MODEL, CalibrationMode, CompileMode, GenerationConfig, Grammar, MedusaError, NgramConfig,
-                      SamplingConfig)
+                      Numerics, SamplingConfig)
 from ..grammar import Grammars
 from ..datastore import Datastore
 from ..models import load_base, use_fast_attention
@@ -84,13 +84,16 @@ class TextStream:
                 break
 
 
-def make_backend(base, compile: bool | CompileMode | str = False, like: EagerBackend | None = None) -> EagerBackend:
-    """How the base runs: eager, or compiled (mode on; mode auto where compiles_by_default). like: a
-    backend on the same base whose lean layers the new one shares."""
+def make_backend(base, compile: bool | CompileMode | str = False, like: EagerBackend | None = None,
+                 numerics: Numerics = Numerics.FP32) -> EagerBackend:
+    """How the base runs: eager, or compiled (mode on; mode auto where compiles_by_default), its
+    linears in `numerics`. like: a backend on the same base whose lean layers the new one shares."""
     mode = CompileMode.parse(compile)
-    if mode is CompileMode.AUTO and not compiles_by_default(base):
+    if mode is CompileMode.AUTO and not compiles_by_default(base, numerics):
         mode = CompileMode.OFF
-    return EagerBackend(base, like=like) if mode is CompileMode.OFF else CompiledBackend(base, mode=mode, like=like)
+    if mode is CompileMode.OFF:
+        return EagerBackend(base, like=like, numerics=numerics)
+    return CompiledBackend(base, mode=mode, like=like, numerics=numerics)
 
 
 class MedusaModel:
@@ -252,9 +255,12 @@ class MedusaModel:
         store = Datastore.load(spec.datastore) if spec.datastore is not None else None
         auto = None  # compile mode auto: its saved graphs are loaded once the fits have chosen exact mode
         if backend is None:
-            backend = make_backend(base, CompileMode.OFF if spec.compile is CompileMode.AUTO else spec.compile)
-            if spec.compile is CompileMode.AUTO and not spec.exact and compiles_by_default(base):
-                compiled = auto = make_backend(base, CompileMode.AUTO, like=backend)
+            backend = make_backend(base, CompileMode.OFF if spec.compile is CompileMode.AUTO else spec.compile,
+                                   numerics=spec.numerics)
+            if spec.compile is CompileMode.AUTO and not spec.exact and compiles_by_default(base, spec.numerics):
+                compiled = auto = make_backend(base, CompileMode.AUTO, like=backend, numerics=spec.numerics)
+        elif backend.numerics is not spec.numerics:
+            raise MedusaError(f"numerics {spec.numerics.value} asked on a backend in {backend.numerics.value}")
         model = cls(base, tokenizer, heads=heads, tree=spec.tree, name=name, ngram=spec.ngram,
                     tree_budget=spec.tree_budget, backend=backend, datastore=store)
         model.spec = spec
@@ -275,7 +281,7 @@ class MedusaModel:
             lines = [model.fit_to_machine(refresh=refresh, progress=progress, compiled=compiled).line]
         for line in lines:
             report(line)
-        if auto is not None and compiles_by_default(base):
+        if auto is not None and compiles_by_default(base, spec.numerics):
             model.backend = auto  # exact mode, once chosen, stays eager
         return model
 

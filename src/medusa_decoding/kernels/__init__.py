@@ -3,16 +3,17 @@ prepacked oneDNN weights (packed.py) and on a GGUF's own blocks (blocks.py, bloc
 
 from __future__ import annotations
 
+from ..config import Numerics
 from .blocks import BlockKind, block_linears
 from .packed import pack_linears
 
 
-def lean_linears(model):
+def lean_linears(model, numerics: Numerics = Numerics.FP32):
     """The model with its linear layers on a leaner form of the same weights, where that is exact
     here: prepacked for oneDNN in bf16/fp16 (packed.py), on the GGUF's own blocks in fp32
-    (blocks.py); else `model` itself."""
+    (blocks.py, in `numerics`); else `model` itself."""
     out = pack_linears(model)
-    return out if out is not model else block_linears(model)
+    return out if out is not model else block_linears(model, numerics=numerics)
 
 
 def draft_linears(drafter):

@@ -15,6 +15,7 @@ import torch
 
 ATTENTION_NAME = "medusa"
 EXACT_ATTENTION_NAME = "medusa_exact"
+ROWWISE_ATTENTION_NAME = "medusa_rowwise"  # the int8 numerics' (blocks.py)
 SHORT_QUERY = 64  # longer query blocks use transformers' sdpa_attention_forward
 MIN_KEYS = 80  # and so do fewer keys
 EXACT_CHUNK = 64  # exact mode: keys are reduced in chunks of this many attended keys, from the first
@@ -142,6 +143,46 @@ def exact_attention(module, query, key, value, attention_mask, dropout: float = 
     total = torch.cat(sums, -1).cumsum(-1)[..., -1]  # [B, G, R, n]
     out = torch.cat(parts, -2).cumsum(-2)[..., -1, :] / total[..., None]  # [B, G, R, n, d]
     return out.to(query.dtype).view(b, h, n, d).transpose(1, 2), None
+
+
+def rowwise_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs):
+    """Short-query attention for the int8 numerics, in blocks.cpp (`rowwise_attention`): each query alone
+    over the keys it attends, in slot order (the prefix, then its ancestors: what plain decoding reads at
+    its position), every sum in that order, so a node's result is plain decoding's bit for bit, whatever
+    the other rows, the width or the tree; arguments and result as short_query_attention. fp32 on CPU;
+    prefill (longer query blocks) goes to SDPA, the same for every method."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, n, d = query.shape
+    s = key.shape[2]
+    special = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    if n > SHORT_QUERY or dropout > 0 or special or query.dtype != torch.float32 or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scaling = d**-0.5 if scaling is None else scaling
+    if attention_mask is None:  # causal: query i sees keys up to S - n + i
+        slots = torch.arange(s, device=query.device)
+        attend = (slots[None, :] <= slots[s - n:, None])[None]
+    elif attention_mask.dtype == torch.bool:
+        attend = attention_mask[:, 0]
+    else:
+        attend = attention_mask[:, 0] == 0  # additive: 0 attends, finfo.min masks
+    out = torch.ops.medusa_blocks.rowwise_attention(query.contiguous(), key.contiguous(), value.contiguous(), attend,
+                                                    float(scaling))
+    return out, None
+
+
+def register_rowwise_attention() -> str:
+    """Make "medusa_rowwise" a valid attn_implementation (idempotent; its operator is registered with the
+    block kernel, blocks.kernel())."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWWISE_ATTENTION_NAME, rowwise_attention)
+    if ROWWISE_ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(ROWWISE_ATTENTION_NAME, sdpa_mask)
+    return ROWWISE_ATTENTION_NAME
 
 
 def register_attention(exact: bool = False) -> str:

@@ -1,5 +1,5 @@
-// Linear layers on the blocks of a GGUF's Q4_1 / Q8_0 weights, fp32 activations, AVX2 + FMA, AVX-512 where
-// the build has it, and AMX tiles where the CPU has them (blocks.py). Built once per machine by
+// Linear layers on the blocks of a GGUF's Q4_1 / Q8_0 weights, fp32 activations (or int8 ones: a numerics of
+// its own), AVX2 + FMA, AVX-512 where the build has it, and AMX tiles where the CPU has them (blocks.py). Built once per machine by
 // torch.utils.cpp_extension, with -ffp-contract=off (the sums are the fma chains written here, nothing
 // else fused); OpenMP through torch's own runtime.
 #include <torch/extension.h>
@@ -326,6 +326,221 @@ static torch::Tensor amx_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
 }
 #endif
 
+// The int8 numerics (`Numerics.INT8`, blocks.py): each row of x is quantized per block of 32 to int8
+// codes c = round(x / e), e = max |x| / 127 (llama.cpp's Q8_1 activations, kept in fp32), and a block's
+// dot products with the weight codes are integer sums, exact; per block and output the row's result
+// gains fl(d e) * sum (Q4_1: + m * fl(e * sum c)), blocks in order. So a row's result depends on that
+// row alone, as on the fp32 paths, at a fraction of their work: an integer multiply-add
+// (`vpmaddubsw`) takes 32 products where an fp32 fma takes 8, and no weight is converted to float.
+// Codes in this path's layout: Q4_1 [P, K/4, 32] bytes, byte 4o + j: q[16p + o, 4g + j] | q[16p + 8 + o,
+// 4g + j] << 4 (k-group g of 4); Q8_0 [P, K/4, 64] int8, bytes 4o + j of outputs 0-7, then of 8-15.
+struct Quantized { torch::Tensor codes, e, s; };
+
+static Quantized quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
+  Quantized q{torch::empty({M, K}, x.options().dtype(torch::kInt8)), torch::empty({M, B}, x.options()),
+              torch::empty({M, B}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* cp = q.codes.data_ptr<int8_t>();
+  float *ep = q.e.data_ptr<float>(), *sp = q.s.data_ptr<float>();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < M * B; ++i) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xp + 32 * i + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float top = lanes[0];
+    for (int j = 1; j < 8; ++j) top = std::max(top, lanes[j]);
+    const float e = top / 127.0f, inv = top > 0 ? 127.0f / top : 0.0f;
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {  // |x / e| <= 127: no saturation below
+      c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // rounding to nearest, ties to even
+      sum = _mm256_add_epi32(sum, c[j]);
+    }
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)(cp + 32 * i), packed);
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256((__m256i*)parts, sum);
+    int total = 0;
+    for (int j = 0; j < 8; ++j) total += parts[j];
+    ep[i] = e;
+    sp[i] = e * (float)total;
+  }
+  return q;
+}
+
+// R rows x one panel (16 outputs) of a Q4_1 layer over every block. Within a block the products go to 16-bit
+// sums (|q x| <= 15 x 127, 16 of them to a lane: <= 30,480, no overflow), then to 32 bits and float.
+template <int R>
+static inline void int8_q4(const int8_t* xc, int64_t K, const float* e, const float* s, int64_t B, const uint8_t* c,
+                           const float* d, const float* m, float* y, int64_t N) {
+  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(y + r * N, _mm256_setzero_ps()); _mm256_storeu_ps(y + r * N + 8, _mm256_setzero_ps()); }
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(c + 256 * b + 32 * g));
+      const __m256i w0 = _mm256_and_si256(v, lo), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(*(const int32_t*)(xc + r * K + 32 * b + 4 * g));
+        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xb));
+        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xb));
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(d + 16 * b), d1 = _mm256_loadu_ps(d + 16 * b + 8);
+    const __m256 m0 = _mm256_loadu_ps(m + 16 * b), m1 = _mm256_loadu_ps(m + 16 * b + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 eb = _mm256_set1_ps(e[r * B + b]), sb = _mm256_set1_ps(s[r * B + b]);
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][0], ones));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][1], ones));
+      _mm256_storeu_ps(y + r * N, _mm256_fmadd_ps(m0, sb, _mm256_fmadd_ps(_mm256_mul_ps(d0, eb), f0, _mm256_loadu_ps(y + r * N))));
+      _mm256_storeu_ps(y + r * N + 8,
+                       _mm256_fmadd_ps(m1, sb, _mm256_fmadd_ps(_mm256_mul_ps(d1, eb), f1, _mm256_loadu_ps(y + r * N + 8))));
+    }
+  }
+}
+
+// The same for a Q8_0 layer: signed codes, so |q| times x with q's sign (llama.cpp's trick: the unsigned
+// operand must be the weight's magnitude, <= 128), in 32-bit sums per group of 4.
+template <int R>
+static inline void int8_q8(const int8_t* xc, int64_t K, const float* e, int64_t B, const int8_t* c, const float* d,
+                           float* y, int64_t N) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) { _mm256_storeu_ps(y + r * N, _mm256_setzero_ps()); _mm256_storeu_ps(y + r * N + 8, _mm256_setzero_ps()); }
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v0 = _mm256_loadu_si256((const __m256i*)(c + 512 * b + 64 * g));
+      const __m256i v1 = _mm256_loadu_si256((const __m256i*)(c + 512 * b + 64 * g + 32));
+      const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(*(const int32_t*)(xc + r * K + 32 * b + 4 * g));
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, v0)), ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, v1)), ones));
+      }
+    }
+    const __m256 d0 = _mm256_loadu_ps(d + 16 * b), d1 = _mm256_loadu_ps(d + 16 * b + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 eb = _mm256_set1_ps(e[r * B + b]);
+      _mm256_storeu_ps(y + r * N, _mm256_fmadd_ps(_mm256_mul_ps(d0, eb), _mm256_cvtepi32_ps(acc[r][0]), _mm256_loadu_ps(y + r * N)));
+      _mm256_storeu_ps(y + r * N + 8,
+                       _mm256_fmadd_ps(_mm256_mul_ps(d1, eb), _mm256_cvtepi32_ps(acc[r][1]), _mm256_loadu_ps(y + r * N + 8)));
+    }
+  }
+}
+
+// x [M, K] fp32 contiguous -> y [M, N] in the int8 numerics; codes in this path's layout (above), d, m as
+// for blocks_linear. Rows in groups of at most 6 (12 accumulators), sizes as even as possible.
+torch::Tensor blocks_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [M, K] contiguous fp32");
+  TORCH_CHECK(x.size(1) % 32 == 0 && codes.size(1) * 4 == x.size(1), "int8 codes: [P, K/4, 32 or 64]");
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = 16 * P, B = K / 32;
+  const Quantized q = quantize_rows(x);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* xc = q.codes.data_ptr<int8_t>();
+  const float *ep = q.e.data_ptr<float>(), *sp = q.s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = bits == 4 ? m.data_ptr<float>() : nullptr;
+  const uint8_t* cp = (const uint8_t*)codes.data_ptr();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* dd = dp + p * B * 16;
+      for (int64_t r = 0; r < M;) {
+        const int64_t left = M - r, groups = (left + 5) / 6, R = (left + groups - 1) / groups;
+        const int8_t* xr = xc + r * K;
+        const float *er = ep + r * B, *sr = sp + r * B;
+        float* yr = yp + r * N + 16 * p;
+        if (bits == 4) {
+          const uint8_t* c = cp + p * K * 8;
+          const float* mm = mp + p * B * 16;
+          switch (R) {
+            case 6: int8_q4<6>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+            case 5: int8_q4<5>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+            case 4: int8_q4<4>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+            case 3: int8_q4<3>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+            case 2: int8_q4<2>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+            default: int8_q4<1>(xr, K, er, sr, B, c, dd, mm, yr, N); break;
+          }
+        } else {
+          const int8_t* c = (const int8_t*)cp + p * K * 16;
+          switch (R) {
+            case 6: int8_q8<6>(xr, K, er, B, c, dd, yr, N); break;
+            case 5: int8_q8<5>(xr, K, er, B, c, dd, yr, N); break;
+            case 4: int8_q8<4>(xr, K, er, B, c, dd, yr, N); break;
+            case 3: int8_q8<3>(xr, K, er, B, c, dd, yr, N); break;
+            case 2: int8_q8<2>(xr, K, er, B, c, dd, yr, N); break;
+            default: int8_q8<1>(xr, K, er, B, c, dd, yr, N); break;
+          }
+        }
+        r += R;
+      }
+    }
+  });
+  return y;
+}
+
+// Attention for the int8 numerics (attention.py's rowwise_attention): each query alone, over the keys it
+// attends in slot order (its "virtual sequence": the prefix, then its tree ancestors, as plain decoding lays
+// them out), every sum in that order. A query's result depends on its own keys only, never on the other
+// queries, the cache's width or the tree's shape: a tree node gets what plain decoding computes at its
+// position, bit for bit. (In int8 a last-bit difference before a layer can move a code by one step, so
+// the fp32 kernel's GEMMs, whose rounding depends on their row count, would break speculation's identity.)
+// q [B, H, n, d], k and v [B, G, S, d] fp32 contiguous, attend [B, n, S] bool -> [B, n, H, d].
+static inline float dot8(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+torch::Tensor rowwise_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor attend, double scaling) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [B, H, n, d] contiguous fp32");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == torch::kFloat32, "k, v: [B, G, S, d] contiguous fp32");
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), d = q.size(3), G = k.size(1), S = k.size(2), R = H / G;
+  TORCH_CHECK(d % 8 == 0 && attend.size(-1) == S && attend.size(-2) == n, "d a multiple of 8; attend [B, n, S]");
+  auto out = torch::empty({B, n, H, d}, q.options());
+  auto att = attend.to(torch::kBool).expand({B, n, S}).contiguous();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool* ap = att.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const float scale = (float)scaling;
+  at::parallel_for(0, B * n * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots;
+    std::vector<float> e;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (n * H), i = task / H % n, h = task % H, g = h / R;
+      const bool* a = ap + (b * n + i) * S;
+      slots.clear();
+      for (int64_t j = 0; j < S; ++j) if (a[j]) slots.push_back(j);
+      const float* qv = qp + ((b * H + h) * n + i) * d;
+      const float* kb = kp + (b * G + g) * S * d;
+      const float* vb = vp + (b * G + g) * S * d;
+      float* o = op + ((b * n + i) * H + h) * d;
+      const int64_t T = (int64_t)slots.size();
+      if (T == 0) { std::fill(o, o + d, 0.0f); continue; }
+      e.resize(T);
+      float top = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) { e[t] = dot8(qv, kb + slots[t] * d, d) * scale; top = std::max(top, e[t]); }
+      float total = 0.0f;
+      for (int64_t t = 0; t < T; ++t) { e[t] = std::exp(e[t] - top); total += e[t]; }
+      for (int64_t c = 0; c < d; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t t = 0; t < T; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[t]), _mm256_loadu_ps(vb + slots[t] * d + c), acc);
+        _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+      }
+    }
+  });
+  return out;
+}
+
 // One block's codes and scale from the 32 fp32 values a GGUF reader dequantized it to: q4 (Q4_1), m the
 // block's minimum (fp16-exact) and d one of the three fp16 values around (max - min) / 15; q8 (Q8_0),
 // m = 0 and d around max |v| / 127. Tried in that order, the first d with which fl(fl(d q) + m) gives
@@ -452,6 +667,14 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
 // A dispatcher operator, so that torch.compile can call the kernel inside a graph (blocks.py registers
 // its shape function). A build for comparison (MEDUSA_NO_OP) registers none: one library per namespace.
 #ifndef MEDUSA_NO_OP
-TORCH_LIBRARY(medusa_blocks, m) { m.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int stream_rows, bool amx) -> Tensor"); }
-TORCH_LIBRARY_IMPL(medusa_blocks, CPU, m) { m.impl("linear", &blocks_linear); }
+TORCH_LIBRARY(medusa_blocks, m) {
+  m.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, int stream_rows, bool amx) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+  m.def("rowwise_attention(Tensor q, Tensor k, Tensor v, Tensor attend, float scaling) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(medusa_blocks, CPU, m) {
+  m.impl("linear", &blocks_linear);
+  m.impl("linear_int8", &blocks_linear_int8);
+  m.impl("rowwise_attention", &rowwise_attention);
+}
 #endif

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Numerics
+from .attention import register_rowwise_attention
 from .packed import shared_copy
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ FEW_ROWS = 8  # a stream_rows that keeps the AVX-512 path to few rows, the AVX2 
 ALL_ROWS = 1 << 30  # a stream_rows that sends every row count down the AVX-512 path (chunks of <= 16)
 CHECK_ROWS = (1, 2, 3, 5, 8, 9, 13, 33)  # row counts at which each row must equal the one-row product
 TOLERANCE = 1e-5  # relative difference to F.linear on the same fp32 weights that `check` accepts
+INT8_TOLERANCE = 2e-2  # the same in the int8 numerics (8-bit activations: ~6e-3 measured on random rows)
 SOURCE = Path(__file__).with_name("blocks.cpp")
 
 
@@ -76,6 +79,7 @@ class Blocks:
     shape: tuple[int, int]
     stream_rows: int = FEW_ROWS
     amx: bool = False  # multiplied on the tile unit (`to_amx`; q4_1 codes then in the AMX layout [N/16, K/2, 16])
+    int8: bool = False  # in the int8 numerics (`to_int8`; codes then in that path's layout [N/16, K/4, 32 or 64])
 
     @property
     def nbytes(self) -> int:
@@ -250,6 +254,8 @@ def build(target: str, op: bool = True):
         return None
     if op:
         torch.library.register_fake("medusa_blocks::linear")(_linear_shape)
+        torch.library.register_fake("medusa_blocks::linear_int8")(_linear_shape)
+        torch.library.register_fake("medusa_blocks::rowwise_attention")(_attention_shape)
     return module
 
 
@@ -297,22 +303,46 @@ def to_amx(blocks: Blocks) -> Blocks:
     return dataclasses.replace(blocks, codes=(q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), amx=True)
 
 
-def for_this_machine(blocks: Blocks) -> Blocks:
-    """Blocks as this machine's kernel runs them fastest: on the AMX path where `amx_ready()`, else with
-    `stream_rows()` (timed on the AVX-512 path, which an AMX machine does not run)."""
+def to_int8(blocks: Blocks) -> Blocks:
+    """Blocks -> the same blocks for the kernel's int8 path: codes in k-groups of 4 (q4_1 [P, K/4, 32] bytes,
+    byte 4o + j: q[o, 4g + j] | q[8 + o, 4g + j] << 4; q8_0 [P, K/4, 64] int8, outputs 0-7 then 8-15)."""
+    p, k = blocks.codes.shape[:2]
+    def groups(q: torch.Tensor) -> torch.Tensor:  # [P, K, 8] -> [P, K/4, 8 outputs x 4 k]
+        return q.reshape(p, k // 4, 4, 8).transpose(2, 3).reshape(p, k // 4, 32)
+    if blocks.kind is BlockKind.Q4_1:
+        codes = groups(blocks.codes & 15) | (groups(blocks.codes >> 4) << 4)
+    else:
+        codes = torch.cat([groups(blocks.codes[..., :8]), groups(blocks.codes[..., 8:])], -1)
+    return dataclasses.replace(blocks, codes=codes.contiguous(), int8=True)
+
+
+def for_this_machine(blocks: Blocks, numerics: Numerics = Numerics.FP32) -> Blocks:
+    """Blocks as this machine's kernel runs them fastest in `numerics`: int8 on its own path; fp32 on the
+    AMX path where `amx_ready()`, else with `stream_rows()` (timed on the AVX-512 path, which an AMX
+    machine does not run)."""
+    if numerics is Numerics.INT8:
+        return to_int8(blocks)
     return to_amx(blocks) if amx_ready() else dataclasses.replace(blocks, stream_rows=stream_rows())
 
 
-def _linear_shape(x, codes, d, m, bits, stream_rows, amx):
-    """The operator's output for torch.compile's tracing: x [M, K] -> [M, 16 P]."""
+def _linear_shape(x, codes, *blocks):
+    """The linear operators' output for torch.compile's tracing: x [M, K] -> [M, 16 P]."""
     return x.new_empty(x.shape[0], codes.shape[0] * PANEL)
 
 
+def _attention_shape(q, k, v, attend, scaling):
+    """The row-invariant attention's output for torch.compile's tracing: q [B, H, n, d] -> [B, n, H, d]."""
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+
 def block_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N], through the operator `kernel()` registered."""
+    """x [..., K] fp32 -> [..., N], through the operators `kernel()` registered."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.medusa_blocks.linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits, blocks.stream_rows,
-                                       blocks.amx)
+    if blocks.int8:
+        y = torch.ops.medusa_blocks.linear_int8(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits)
+    else:
+        y = torch.ops.medusa_blocks.linear(flat, blocks.codes, blocks.d, blocks.m, blocks.kind.bits,
+                                           blocks.stream_rows, blocks.amx)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], blocks.shape[0])
@@ -334,20 +364,22 @@ class BlockLinear(nn.Module):
         return block_linear(x, self.blocks, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.blocks.kind.value} blocks"
+        int8 = ", int8 activations" if self.blocks.int8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.blocks.kind.value} blocks{int8}"
 
 
 def check(weight: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None,
           rows: tuple[int, ...] = CHECK_ROWS) -> str | None:
-    """The kernel on `blocks` against F.linear on `weight` (within TOLERANCE) and each row of a
-    product against the one-row product (bit for bit), on random inputs -> the first failure, or None."""
+    """The kernel on `blocks` against F.linear on `weight` (within TOLERANCE, INT8_TOLERANCE in the int8
+    numerics) and each row of a product against the one-row product (bit for bit), on random inputs
+    -> the first failure, or None."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max(rows), weight.shape[1], generator=g)
     with torch.inference_mode():
         alone = torch.cat([block_linear(x[i:i + 1], blocks, bias) for i in range(x.shape[0])])
         ref = F.linear(x, weight, bias)
         err = float((alone - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        if not err <= TOLERANCE:
+        if not err <= (INT8_TOLERANCE if blocks.int8 else TOLERANCE):
             return f"{weight.shape[0]} x {weight.shape[1]} is off by {err:.1e} (relative)"
         for n in rows:
             if not torch.equal(block_linear(x[:n], blocks, bias), alone[:n]):
@@ -355,14 +387,17 @@ def check(weight: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None
     return None
 
 
-def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[str, int]]:
+def block_copy(model, lossy: BlockKind | None = None,
+               numerics: Numerics = Numerics.FP32) -> tuple[nn.Module, dict[str, int]]:
     """The model with every nn.Linear whose weight `recover`s and passes `check` on its blocks: a new
-    module tree sharing every parameter, buffer and config object of `model` (left as it was)
+    module tree sharing every parameter, buffer and config object of `model` (left as it was; in the
+    int8 numerics a config of its own, which names the row-invariant attention)
     -> (copy, layers by kind and "stock" for those left as they were). No layer recovers, or the
     kernel does not build -> (model, {"stock": n}).
 
     lossy: a weight that does not recover is quantized to this kind instead (counted as
-    "<kind> of fp32"): a change of the weights, only for a drafter, whose output the base verifies."""
+    "<kind> of fp32"): a change of the weights, only for a drafter, whose output the base verifies.
+    numerics: the arithmetic of the layers on blocks (config.Numerics)."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     found: dict[int, Blocks | None] = {}  # by weight: a tied LM head is the embedding's blocks
     weights: dict[int, torch.Tensor] = {}  # by weight: the values its blocks hold
@@ -375,7 +410,7 @@ def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[s
                 found[id(w)] = recover(weights[id(w)])
     if not any(found.values()) or kernel() is None:
         return model, {"stock": len(linears)}
-    found = {key: None if blocks is None else for_this_machine(blocks) for key, blocks in found.items()}
+    found = {key: None if blocks is None else for_this_machine(blocks, numerics) for key, blocks in found.items()}
     # `recover` rebuilt every value bit for bit: what `check` tests is the kernel's arithmetic, which
     # depends on the shape, the kind and the bias, not the values: once per such layout
     checked: dict[tuple, str | None] = {}
@@ -383,7 +418,7 @@ def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[s
         blocks = found[id(module.weight)]
         if blocks is None:
             continue
-        layout = (blocks.shape, blocks.kind, blocks.amx, module.bias is not None)
+        layout = (blocks.shape, blocks.kind, blocks.amx, blocks.int8, module.bias is not None)
         if layout not in checked:
             checked[layout] = check(weights[id(module.weight)], blocks, module.bias)
         if checked[layout] is not None:
@@ -393,12 +428,18 @@ def block_copy(model, lossy: BlockKind | None = None) -> tuple[nn.Module, dict[s
         blocks = found[id(w)]
         if blocks is None:
             return "stock"
-        return blocks.kind.value + (" of fp32" if weights[id(w)] is not w else "") + (" on AMX" if blocks.amx else "")
+        return (blocks.kind.value + (" of fp32" if weights[id(w)] is not w else "") + (" on AMX" if blocks.amx else "")
+                + (" int8" if blocks.int8 else ""))
     counts = Counter(label(m.weight) for _, m in linears)
     def replace(linear: nn.Linear) -> BlockLinear | None:
         blocks = found[id(linear.weight)]
         return None if blocks is None else BlockLinear(linear, blocks)
-    return shared_copy(model, replace), counts
+    if numerics is Numerics.FP32 or not hasattr(model, "set_attn_implementation"):
+        return shared_copy(model, replace), counts
+    # int8: the copy's attention is row-invariant too (attention.rowwise_attention), on a config of its own
+    out = shared_copy(model, replace, share_config=False)
+    out.set_attn_implementation(register_rowwise_attention())
+    return out, counts
 
 
 def blocks_or_none(weight: torch.Tensor) -> Blocks | None:
@@ -421,12 +462,12 @@ def recoverable(model) -> bool:
     return first is not None and recover(first.weight) is not None
 
 
-def block_linears(model, lossy: BlockKind | None = None) -> nn.Module:
-    """The model to run: block_copy(model, lossy) where it is fp32 on an AVX2 CPU, at least one layer
-    is on blocks and the kernel builds, else `model` itself."""
+def block_linears(model, lossy: BlockKind | None = None, numerics: Numerics = Numerics.FP32) -> nn.Module:
+    """The model to run: block_copy(model, lossy, numerics) where it is fp32 on an AVX2 CPU, at least one
+    layer is on blocks and the kernel builds, else `model` itself."""
     if supported(next(model.parameters(), None)) is not None:
         return model
-    out, counts = block_copy(model, lossy)
+    out, counts = block_copy(model, lossy, numerics)
     if out is not model:
         what = "linear layers on GGUF blocks" if lossy is None else "drafter linears on blocks"
         log.info("%s: %s", what, ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

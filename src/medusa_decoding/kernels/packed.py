@@ -136,15 +136,16 @@ def packed_copy(model) -> nn.Module:
     return shared_copy(model, PackedLinear)
 
 
-def shared_copy(model, replace) -> nn.Module:
+def shared_copy(model, replace, share_config: bool = True) -> nn.Module:
     """A new module tree sharing every parameter, buffer and config object of `model`, with each
     nn.Linear replaced by replace(linear), or kept where that returns None (`model` itself, a lone
-    nn.Linear included, is left as it was)."""
+    nn.Linear included, is left as it was). share_config=False: the copy's config objects are its own
+    (copies), so that it can run another attention implementation than `model`."""
     if isinstance(model, nn.Linear):  # a layer on its own (an LM head)
         new = replace(model)
         return model if new is None else new
     configs = [c for m in model.modules() for c in (getattr(m, "config", None), getattr(m, "generation_config", None))
-               if c is not None]
+               if c is not None and share_config]
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers(), configs)}
     out = copy.deepcopy(model, memo)
     for name, module in list(out.named_modules()):

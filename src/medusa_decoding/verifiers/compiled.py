@@ -53,7 +53,7 @@ import torch
 
 from ..kernels.attention import EXACT_ATTENTION_NAME, full_attention
 from ..cache import SlotCache
-from ..config import CompileMode, MedusaError
+from ..config import CompileMode, MedusaError, Numerics
 from ..platform import cache_dir, processor_info
 from ..kernels import blocks, packed
 from .transformers import EagerBackend, forward
@@ -80,39 +80,45 @@ def round_width(slots: int) -> int:
     return max(MIN_WIDTH, 1 << (slots - 1).bit_length())
 
 
-def graph_key(model) -> dict:
+def graph_key(model, numerics: Numerics = Numerics.FP32) -> dict:
     """What a saved graph depends on besides its shape: the architecture (not the weights, which
     it reads as inputs), dtype, device, the CPU's instruction sets and threads (inductor's C++ is
-    built for them), attention, and the versions of what generated it."""
+    built for them), the linears' kernel and numerics, attention, and the versions of what generated it."""
     import transformers
 
     device = next(model.parameters()).device
     processor, isa = processor_info(device)
     return {"config": model.config.to_json_string(use_diff=False), "dtype": str(model.dtype), "device": device.type,
-            "processor": processor, "isa": isa, "threads": torch.get_num_threads(), "linears": linears(model),
+            "processor": processor, "isa": isa, "threads": torch.get_num_threads(), "linears": linears(model, numerics),
             "attention": model.config._attn_implementation, "torch": torch.__version__,
             "transformers": transformers.__version__, "version": GRAPH_VERSION}
 
 
-def linears(model) -> str:
+def linears(model, numerics: Numerics = Numerics.FP32) -> str:
     """The linear layers a compiled step of this model calls: "blocks-<kernel tag>" where an fp32 model
-    on CPU runs on its GGUF blocks (blocks.py, the kernel as an operator in the graph), else "stock"."""
-    return f"blocks-{blocks.source_tag()}" if blocks.on_blocks(model) else "stock"
+    on CPU runs on its GGUF blocks (blocks.py, the kernel as an operator in the graph; "-int8" added in
+    the int8 numerics), else "stock"."""
+    if not blocks.on_blocks(model):
+        return "stock"
+    return f"blocks-{blocks.source_tag()}" + ("" if numerics is Numerics.FP32 else f"-{numerics.value}")
 
 
-def compiles_by_default(model) -> bool:
+def compiles_by_default(model, numerics: Numerics = Numerics.FP32) -> bool:
     """Does compile mode auto compile this model's step? Where it runs on the slot cache, unless in
     exact mode (its row-invariant kernels are eager ones) or where the eager step runs on packed
     linears (bf16/fp16 on CPU, packed.py), which make it as fast as the saved graph for none of the
     graph's build time. An fp32 step on the GGUF's blocks (blocks.py) does compile: its saved graphs
-    remove the per-operator overhead that dominates it (docs/ENGINE.md has the profiles)."""
-    return (full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
+    remove the per-operator overhead that dominates it (docs/ENGINE.md has the profiles). Not in the
+    int8 numerics: there a graph's fused operators and the eager ones differ in the last bits, which
+    int8 activations turn into other tokens, so a run must not mix eager and compiled steps (mode
+    auto does, while graphs are missing); `--compile` compiles every shape."""
+    return (numerics is Numerics.FP32 and full_attention(model.config) and model.config._attn_implementation != EXACT_ATTENTION_NAME
             and packed.supported(next(model.parameters())) is not None)
 
 
-def graph_folder(model, graphs: Path | None = None) -> Path:
+def graph_folder(model, graphs: Path | None = None, numerics: Numerics = Numerics.FP32) -> Path:
     """Where the saved graphs of this model on this machine live (graphs: default $MEDUSA_CACHE/compiled)."""
-    key = hashlib.sha256(json.dumps(graph_key(model), sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(graph_key(model, numerics), sort_keys=True).encode()).hexdigest()[:16]
     return (graphs or cache_dir() / "compiled") / key
 
 
@@ -196,15 +202,16 @@ class CompiledBackend(EagerBackend):
     compiled = True
 
     def __init__(self, model, freeze: bool | None = None, graphs: Path | None = None,
-                 mode: CompileMode | str = CompileMode.ON, background: bool = False, like: EagerBackend | None = None):
+                 mode: CompileMode | str = CompileMode.ON, background: bool = False, like: EagerBackend | None = None,
+                 numerics: Numerics = Numerics.FP32):
         """freeze: frozen graphs, compiled by every process (default: bf16/fp16 on CPU, in mode
         `on`); else saved ones. graphs: the folder of saved graphs (default $MEDUSA_CACHE/compiled).
         mode: `on` (compile a missing shape, waiting) or `auto` (run it eager and list it for
         `medusa compile`). background: in mode auto, a child process of this one builds the listed
         shapes while this one is idle (a server's choice; it ends when this process does). like: an
-        eager backend on the same model whose lean layers this one shares."""
+        eager backend on the same model whose lean layers this one shares. numerics: as EagerBackend's."""
         # its graphs hold the stock layers (freezing packs them itself), or in fp32 the GGUF's blocks
-        super().__init__(model, packed=blocks.on_blocks(model), like=like)
+        super().__init__(model, packed=blocks.on_blocks(model), like=like, numerics=numerics)
         if not self.slots:
             raise MedusaError("--compile needs a model with full attention in every layer (no sliding window)")
         self.mode = CompileMode.parse(mode)
@@ -219,7 +226,7 @@ class CompiledBackend(EagerBackend):
         self._frozen = torch.compile(_forward, dynamic=False) if self.freeze else None
         self.shapes: dict[tuple, object] = {}  # shape -> its graph (compiled or loaded so far)
         self.loaded = 0  # graphs loaded from disk rather than compiled
-        self.folder = graph_folder(model, graphs)
+        self.folder = graph_folder(model, graphs, self.numerics)
         self._spare: SlotCache | None = None  # a released cache, for the next verifier
         # mode auto: shapes without a graph yet -> when their file was last looked for
         self.missing: dict[tuple, float] = {}
@@ -380,7 +387,7 @@ class CompiledBackend(EagerBackend):
             return
         spec = {"model": source, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "attention": self.model.config._attn_implementation, "threads": torch.get_num_threads(),
-                "idle_s": self.builder_idle_s, "parent": os.getpid()}
+                "idle_s": self.builder_idle_s, "parent": os.getpid(), "numerics": self.numerics.value}
         (self.folder / SPEC).write_text(json.dumps(spec, indent=1) + "\n")
         env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"])}
         with (self.folder / BUILD_LOG).open("a") as out:

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.attention import full_attention
 from ..cache import SlotCache, keep_path, new_cache
-from ..config import MedusaError
+from ..config import MedusaError, Numerics
 from ..tree import TreeBuffers
 from . import Row, Verifier
 from ..kernels import lean_linears
@@ -64,22 +64,30 @@ class EagerBackend:
 
     compiled = False
 
-    def __init__(self, model, slots: bool | None = None, packed: bool | None = None, like: EagerBackend | None = None):
+    def __init__(self, model, slots: bool | None = None, packed: bool | None = None, like: EagerBackend | None = None,
+                 numerics: Numerics = Numerics.FP32):
         """slots: run on the slot cache (default: where every layer is full attention); False:
         transformers' DynamicCache, the reference path. packed: run the linear layers on lean weights
         (lean_linears: prepacked in bf16/fp16, GGUF blocks in fp32; default: on the slot cache, where
         they are supported and each row of a product is checked to be the one-row product); `model`
         itself is left stock. like: a packed backend on the same model whose lean layers this one
-        shares (making them takes seconds)."""
+        shares (making them takes seconds). numerics: the arithmetic of layers on a GGUF's blocks
+        (config.Numerics); anything but fp32 is refused where the layers are not on blocks."""
         self.base = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.slots = full_attention(model.config) if slots is None else slots
         lean = self.slots if packed is None else packed
-        shared = like is not None and like.base is model and like.packed and lean
-        self.model = like.model if shared else lean_linears(model) if lean else model
+        self.numerics = Numerics.parse(numerics)
+        shared = like is not None and like.base is model and like.packed and lean and like.numerics is self.numerics
+        self.model = like.model if shared else lean_linears(model, self.numerics) if lean else model
         self.packed = self.model is not model
         self.linears = "stock" if not self.packed else "packed" if self.dtype != torch.float32 else "blocks"
+        if self.numerics is not Numerics.FP32:
+            self.linears += f"-{self.numerics.value}"
+            if not self.packed or self.dtype != torch.float32:
+                raise MedusaError(f"numerics {self.numerics.value} is built for linears on a GGUF's blocks "
+                                  "(fp32 on a CPU with AVX2, a model loaded from a Q4_1/Q8_0 GGUF); use --numerics fp32")
         text = model.config.get_text_config()
         self.context_length = text.max_position_embeddings
         window = getattr(text, "sliding_window", None)
