@@ -76,6 +76,7 @@ def test_health_and_models(server):
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["max_batch_size"] == 8
     assert health["dtype"] == "float32" and health["exact"] is False  # which guarantee the answers carry
+    assert health["numerics"] == "fp32"
     models = server.client().models.list()
     assert [m.id for m in models.data] == [NAME]
 

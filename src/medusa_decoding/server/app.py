@@ -80,6 +80,7 @@ class Service:
         return {"status": "ok", "model": self.name, "method": self.method.describe(),
                 "dtype": str(model.base.dtype).removeprefix("torch."),
                 "exact": model.base.config._attn_implementation == EXACT_ATTENTION_NAME,
+                "numerics": model.backend.numerics.value,
                 "active": self.scheduler.active, "queued": self.scheduler.queue.qsize(),
                 "max_batch_size": self.max_batch_size, "rss_mib": resident_mib()}
 
